@@ -1,0 +1,83 @@
+"""`kvprefetchd`: flags -> Config -> Supervisor.run(), in the foreground, logging to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvprefetchd import __version__
+from kvprefetchd.config import ENGINES, LOG_LEVELS, WARM_MODES, ConfigError, build_config, load_file
+from kvprefetchd.engines import NoEngine
+from kvprefetchd.server import SocketInUse
+from kvprefetchd.supervisor import HaltError, Supervisor
+
+EXIT_CONFIG = 2
+EXIT_HALTED = 1
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="kvprefetchd",
+        description="Warm the heads of KV-cache files on request, over a Unix socket.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    parser.add_argument("--socket", metavar="PATH", help="Unix socket to listen on")
+    parser.add_argument(
+        "--root", metavar="DIR", action="append", dest="roots",
+        help="allowed root directory (repeatable); replaces the configured roots",
+    )
+    parser.add_argument(
+        "--workers", type=int, metavar="N", help="worker processes (0: one per CPU)"
+    )
+    parser.add_argument("--engine", choices=ENGINES)
+    parser.add_argument("--warm-mode", choices=WARM_MODES, dest="warm_mode")
+    parser.add_argument("--read-bytes", type=int, metavar="N", dest="read_bytes")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, dest="log_level")
+    parser.add_argument("--version", action="version", version=f"kvprefetchd {__version__}")
+    return parser.parse_args(argv)
+
+
+def setup_logging(level: str) -> None:
+    """One line per event; no timestamps under systemd, whose journal adds its own."""
+    under_journal = bool(os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"))
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not under_journal:
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("socket", args.socket),
+            ("roots", args.roots),
+            ("workers", args.workers),
+            ("engine", args.engine),
+            ("warm_mode", args.warm_mode),
+            ("read_bytes", args.read_bytes),
+            ("log_level", args.log_level),
+        )
+        if value is not None
+    }
+    try:
+        file_values = load_file(args.config) if args.config else {}
+        config = build_config(file_values, overrides)
+    except ConfigError as error:
+        print(f"kvprefetchd: configuration error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(config.log_level)
+    log = logging.getLogger("kvprefetchd")
+    try:
+        return Supervisor(config).run()
+    except (HaltError, NoEngine, SocketInUse) as error:
+        log.error("%s", error)
+        return EXIT_HALTED
+    except OSError as error:
+        log.error("cannot serve on %s: %s", config.socket, error)
+        return EXIT_HALTED

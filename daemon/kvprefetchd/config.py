@@ -1,0 +1,190 @@
+"""One frozen Config, built from the embedded defaults, an optional TOML file and flags.
+
+Everything the daemon can be told lives here, validated once at start so that a
+typo fails loudly with the key's name instead of surfacing as odd behaviour later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("auto", "io_uring", "fadvise", "pread")
+WARM_MODES = ("read", "advise")
+RESIDENCY_RULES = ("auto", "tier", "pagecache", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# The llm-d fs connector's default shared_storage_path (spec §5.1): a daemon
+# started with no configuration at all warms what a default connector writes.
+DEFAULT_ROOT = "/tmp/shared-kv"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+def default_socket_path() -> str:
+    """Where the socket goes when nobody says: systemd's runtime dir, then the user's, then /tmp.
+
+    Clients resolve the same chain (KVPREFETCHD_SOCKET first), so a daemon and a
+    client started with no flags find each other without root-only paths.
+    """
+    explicit = os.environ.get("KVPREFETCHD_SOCKET")
+    if explicit:
+        return explicit
+    for env in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        base = os.environ.get(env)
+        if base:
+            return os.path.join(base.split(":")[0], "kvprefetchd.sock")
+    return "/tmp/kvprefetchd.sock"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting, with its default. The example file in systemd/ documents each one."""
+
+    socket: str = field(default_factory=default_socket_path)
+    socket_mode: int = 0o660
+    roots: tuple[str, ...] = (DEFAULT_ROOT,)
+    residency: str = "auto"
+    residency_by_root: Mapping[str, str] = field(default_factory=dict)
+    workers: int = 0  # 0: one per CPU
+    engine: str = "auto"
+    warm_mode: str = "read"
+    read_bytes: int = 1 * MIB
+    max_read_bytes: int = 64 * MIB
+    chunk_bytes: int = 128 * KIB
+    queue_depth: int = 128
+    pread_threads: int = 16
+    fadv_random: bool = True
+    batch_files: int = 256
+    max_open_files: int = 1024
+    queue_limit: int = 8192  # files outstanding per worker before new ones are dropped
+    dedup_ttl_ms: int = 1000
+    dedup_entries: int = 65536
+    max_frame_bytes: int = 16 * MIB
+    max_paths_per_request: int = 100_000
+    max_path_bytes: int = 4096
+    max_output_bytes: int = 8 * MIB  # replies buffered for one slow client before it is cut off
+    max_connections: int = 1024
+    drain_seconds: float = 3.0  # plus at most 1 s to stop workers: out within 5 s
+    log_level: str = "info"
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers if self.workers > 0 else (os.cpu_count() or 1)
+
+    def residency_for(self, root: str) -> str:
+        return self.residency_by_root.get(root, self.residency)
+
+
+_INT_KEYS = {
+    "socket_mode": (0, 0o777),
+    "workers": (0, 256),
+    "read_bytes": (1, 1 << 40),
+    "max_read_bytes": (1, 1 << 40),
+    "chunk_bytes": (4 * KIB, 64 * MIB),
+    "queue_depth": (1, 4096),
+    "pread_threads": (1, 256),
+    "batch_files": (1, 65536),
+    "max_open_files": (8, 16384),
+    "queue_limit": (1, 10_000_000),
+    "dedup_ttl_ms": (0, 3_600_000),
+    "dedup_entries": (0, 10_000_000),
+    "max_frame_bytes": (64, 1 << 30),
+    "max_paths_per_request": (1, 10_000_000),
+    "max_path_bytes": (16, 65536),
+    "max_output_bytes": (64 * KIB, 1 << 32),
+    "max_connections": (1, 65536),
+}
+_CHOICE_KEYS = {
+    "engine": ENGINES,
+    "warm_mode": WARM_MODES,
+    "residency": RESIDENCY_RULES,
+    "log_level": LOG_LEVELS,
+}
+_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+def _check(key: str, value: Any) -> Any:
+    """Validate one key's value and return it in its Config type."""
+    if key in _INT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        low, high = _INT_KEYS[key]
+        if not low <= value <= high:
+            raise ConfigError(f"{key}: {value} is outside [{low}, {high}]")
+        return value
+    if key in _CHOICE_KEYS:
+        if value not in _CHOICE_KEYS[key]:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(_CHOICE_KEYS[key])}")
+        return value
+    if key == "socket":
+        if not isinstance(value, str) or not value:
+            raise ConfigError("socket: expected a non-empty path")
+        return value
+    if key == "roots":
+        if isinstance(value, str) or not isinstance(value, list | tuple):
+            raise ConfigError("roots: expected a list of absolute directory paths")
+        roots = []
+        for root in value:
+            if not isinstance(root, str) or not root.startswith("/"):
+                raise ConfigError(f"roots: {root!r} is not an absolute path")
+            roots.append(os.path.normpath(root))
+        if len(set(roots)) != len(roots):
+            raise ConfigError("roots: a root is listed twice")
+        return tuple(roots)
+    if key == "residency_by_root":
+        if not isinstance(value, Mapping):
+            raise ConfigError("residency_by_root: expected a table of root = rule")
+        rules = {}
+        for root, rule in value.items():
+            if rule not in RESIDENCY_RULES:
+                raise ConfigError(f"residency_by_root.{root}: {rule!r} is not a residency rule")
+            rules[os.path.normpath(root)] = rule
+        return rules
+    if key == "fadv_random":
+        if not isinstance(value, bool):
+            raise ConfigError("fadv_random: expected true or false")
+        return value
+    if key == "drain_seconds":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
+            raise ConfigError("drain_seconds: expected a number of seconds in [0, 60]")
+        return float(value)
+    raise ConfigError(f"{key}: unknown setting")
+
+
+def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -> Config:
+    """Defaults, then the file, then flags (flags win). Unknown keys are errors, not ignored."""
+    merged: dict[str, Any] = {}
+    for source in (file_values, overrides):
+        for key, value in source.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"{key}: unknown setting")
+            merged[key] = _check(key, value)
+    config = Config(**merged)
+    if config.read_bytes > config.max_read_bytes:
+        raise ConfigError("read_bytes: larger than max_read_bytes")
+    unknown_roots = set(config.residency_by_root) - set(config.roots)
+    if unknown_roots:
+        raise ConfigError(f"residency_by_root: {sorted(unknown_roots)} not in roots")
+    return config
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file; errors name the file so the operator knows where to look."""
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except OSError as error:
+        raise ConfigError(f"{path}: {error.strerror}") from error
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: {error}") from error

@@ -1,0 +1,80 @@
+"""A worker's memory of what it is reading now and what it warmed a moment ago.
+
+The router sends the same prefix blocks over and over (every request of a
+conversation shares them), so a bounded map of recently warmed heads saves the
+open and the residency syscalls; a file queued or in flight collects the tickets
+of later requests instead of being read twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+Key = tuple[int, bytes]
+
+
+class RecentlyWarmed:
+    """Heads warmed within `ttl` seconds, at most `capacity` of them (oldest forgotten first)."""
+
+    def __init__(
+        self, ttl: float, capacity: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._ttl = ttl
+        self._capacity = capacity
+        self._clock = clock
+        self._entries: OrderedDict[Key, tuple[float, int]] = OrderedDict()
+
+    def remember(self, key: Key, head_bytes: int) -> None:
+        if self._capacity <= 0 or self._ttl <= 0:
+            return
+        self._entries[key] = (self._clock() + self._ttl, head_bytes)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+
+    def covers(self, key: Key, head_bytes: int) -> bool:
+        """True when `key` was warmed at least `head_bytes` deep and the memory is still fresh."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        expires, warmed = entry
+        if expires < self._clock():
+            del self._entries[key]
+            return False
+        return warmed >= head_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class InFlight:
+    """Files queued or being read, each with the tickets waiting for its outcome.
+
+    Keyed by head depth too, so a request for a deeper head is never answered by
+    a shallower read. Bounded by construction: the supervisor never gives a
+    worker more than its queue limit of tickets, and every key here holds one.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[int, bytes, int], list[int]] = {}
+
+    def join(self, key: Key, head_bytes: int, ticket: int) -> bool:
+        """Attach a ticket; True when the file is new and must be queued for reading."""
+        tickets = self._waiting.get((*key, head_bytes))
+        if tickets is not None:
+            tickets.append(ticket)
+            return False
+        self._waiting[(*key, head_bytes)] = [ticket]
+        return True
+
+    def settle(self, key: Key, head_bytes: int) -> list[int]:
+        return self._waiting.pop((*key, head_bytes), [])
+
+    def tickets(self) -> list[int]:
+        """Every ticket still waiting, for a worker that must fail them all."""
+        return [ticket for tickets in self._waiting.values() for ticket in tickets]
+
+    def __len__(self) -> int:
+        return len(self._waiting)

@@ -1,0 +1,196 @@
+"""Wire protocol v1: frames, limits, request schemas and error replies.
+
+Knows bytes and ops, nothing about engines or workers. The contract is
+design/protocol.md: a 4-byte big-endian length, then one msgpack map.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">I")
+
+# Error codes (design/protocol.md, "Errors").
+BAD_REQUEST = "bad_request"
+UNSUPPORTED_VERSION = "unsupported_version"
+UNKNOWN_OP = "unknown_op"
+TOO_LARGE = "too_large"
+FORBIDDEN = "forbidden"
+OVERLOADED = "overloaded"
+INTERNAL = "internal"
+
+OPS = ("ping", "prefetch", "stats")
+
+# Per-file outcomes, in the order the books list them.
+OUTCOMES = ("read", "resident", "missing", "rejected", "failed", "expired")
+
+
+class RequestError(Exception):
+    """A request that gets an error reply; the connection and the daemon go on serving."""
+
+    def __init__(self, code: str, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what a peer may make us decode; never the library's permissive defaults."""
+
+    max_frame_bytes: int
+    max_paths: int
+    max_path_bytes: int
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One complete frame from the stream, or the news that one was too large and skipped."""
+
+    payload: bytes | None
+    skipped_bytes: int = 0
+
+
+class FrameReader:
+    """Splits a byte stream into frames; an oversized frame is skipped, not fatal.
+
+    Skipping (rather than closing) is what the contract asks: the client gets a
+    `too_large` error and may keep using the connection.
+    """
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self._max = max_frame_bytes
+        self._buffer = bytearray()
+        self._skip = 0
+
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        self._buffer += data
+        while True:
+            if self._skip:
+                taken = min(self._skip, len(self._buffer))
+                del self._buffer[:taken]
+                self._skip -= taken
+                if self._skip:
+                    return
+                continue
+            if len(self._buffer) < HEADER.size:
+                return
+            (length,) = HEADER.unpack_from(self._buffer)
+            if length > self._max:
+                del self._buffer[: HEADER.size]
+                self._skip = length
+                yield Frame(None, length)
+                continue
+            end = HEADER.size + length
+            if len(self._buffer) < end:
+                return
+            payload = bytes(self._buffer[HEADER.size : end])
+            del self._buffer[:end]
+            yield Frame(payload)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def decode_payload(payload: bytes, limits: Limits) -> dict[str, Any]:
+    """Unpack one frame's body with explicit limits; anything but a map is a bad request."""
+    try:
+        message = msgpack.unpackb(
+            payload,
+            raw=False,
+            max_str_len=limits.max_frame_bytes,
+            max_bin_len=limits.max_frame_bytes,
+            max_array_len=limits.max_paths,
+            max_map_len=1024,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError) as error:
+        raise RequestError(BAD_REQUEST, f"not one msgpack value: {error}") from error
+    except RecursionError as error:
+        raise RequestError(BAD_REQUEST, "msgpack nesting too deep") from error
+    if not isinstance(message, dict):
+        raise RequestError(BAD_REQUEST, f"a request is a map, not {type(message).__name__}")
+    return message
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: int
+    op: str
+    body: dict[str, Any]
+
+
+def parse_request(message: dict[str, Any]) -> Request:
+    """Check the envelope (v, id, op); op-specific fields are checked by the op itself."""
+    request_id = message.get("id")
+    if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+        raise RequestError(BAD_REQUEST, "id: expected an unsigned integer")
+    version = message.get("v")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise RequestError(BAD_REQUEST, "v: expected the protocol version (1)", request_id)
+    if version != PROTOCOL_VERSION:
+        raise RequestError(
+            UNSUPPORTED_VERSION,
+            f"protocol version {version} is not served; this daemon speaks {PROTOCOL_VERSION}",
+            request_id,
+        )
+    op = message.get("op")
+    if not isinstance(op, str):
+        raise RequestError(BAD_REQUEST, "op: expected a string", request_id)
+    if op not in OPS:
+        raise RequestError(UNKNOWN_OP, f"unknown op {op!r}", request_id)
+    return Request(request_id, op, message)
+
+
+@dataclass(frozen=True)
+class PrefetchArgs:
+    paths: list[str | bytes]
+    wait: bool
+    read_bytes: int
+    timeout_ms: int | None
+
+
+def parse_prefetch(request: Request, default_read_bytes: int, max_read_bytes: int) -> PrefetchArgs:
+    body, rid = request.body, request.request_id
+    paths = body.get("paths")
+    if not isinstance(paths, list):
+        raise RequestError(BAD_REQUEST, "paths: expected an array of absolute paths", rid)
+    wait = body.get("wait", False)
+    if not isinstance(wait, bool):
+        raise RequestError(BAD_REQUEST, "wait: expected a boolean", rid)
+    read_bytes = body.get("read_bytes")
+    if read_bytes is None:
+        read_bytes = default_read_bytes
+    elif isinstance(read_bytes, bool) or not isinstance(read_bytes, int) or read_bytes <= 0:
+        raise RequestError(BAD_REQUEST, "read_bytes: expected a positive integer", rid)
+    elif read_bytes > max_read_bytes:
+        raise RequestError(
+            BAD_REQUEST, f"read_bytes: {read_bytes} exceeds the maximum {max_read_bytes}", rid
+        )
+    timeout_ms = body.get("timeout_ms")
+    if timeout_ms is not None and (
+        isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 0
+    ):
+        raise RequestError(BAD_REQUEST, "timeout_ms: expected a non-negative integer", rid)
+    return PrefetchArgs(paths, wait, read_bytes, timeout_ms)
+
+
+def ok_reply(request_id: int, **fields: Any) -> dict[str, Any]:
+    return {"id": request_id, "ok": True, **fields}
+
+
+def error_reply(request_id: int | None, code: str, message: str) -> dict[str, Any]:
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}

@@ -1,0 +1,119 @@
+"""The listening socket and the client connections: bytes in, frames out, replies buffered.
+
+Knows sockets and frames, not ops: each complete frame is handed to a callback,
+and replies come back as messages to encode and send without ever blocking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+from typing import Any
+
+from kvprefetchd.protocol import FrameReader, encode_frame
+
+log = logging.getLogger("kvprefetchd.server")
+
+
+class SocketInUse(RuntimeError):
+    """Another live daemon answers on the socket path: refuse rather than steal it."""
+
+
+def _remove_stale(path: str) -> None:
+    """Unlink a leftover socket file, but only if nothing listens on it and it is a socket."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale: nobody accepts on it
+        log.info("removed stale socket %s", path)
+        return
+    except OSError as error:
+        raise SocketInUse(f"{path}: cannot tell whether it is in use ({error})") from error
+    finally:
+        probe.close()
+    raise SocketInUse(f"another kvprefetchd is serving on {path}")
+
+
+def listen_unix(path: str, mode: int, backlog: int = 512) -> socket.socket:
+    """Bind with the umask set around bind(), so the socket is never briefly too open.
+
+    (A chmod after bind leaves a window in which anyone may connect.)
+    """
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    _remove_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+class Connection:
+    """One client: its frame reader and a bounded buffer of replies not yet sent."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int, max_output_bytes: int) -> None:
+        self.sock = sock
+        self.frames = FrameReader(max_frame_bytes)
+        self.output = bytearray()
+        self.max_output_bytes = max_output_bytes
+        self.closed = False
+        self.broken = False
+        self.paused = False  # not reading more requests until the client reads its replies
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.closed or self.broken:
+            return
+        self.output += encode_frame(message)
+        self.flush()
+
+    def flush(self) -> None:
+        """Send what the kernel takes now; the rest waits for the socket to be writable."""
+        while self.output and not (self.closed or self.broken):
+            try:
+                sent = self.sock.send(self.output)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:
+                if error.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                    # The supervisor unregisters and closes it; closing here would
+                    # leave the selector holding a dead fd.
+                    self.broken = True
+                    self.output.clear()
+                    return
+                raise
+            del self.output[:sent]
+
+    @property
+    def backlogged(self) -> bool:
+        """True once a client stops reading: we stop reading too instead of buffering forever."""
+        return len(self.output) > self.max_output_bytes
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.output.clear()
+            with contextlib.suppress(OSError):
+                self.sock.close()

@@ -1,0 +1,619 @@
+"""The supervisor: one thread, one event loop, the books, and the workers.
+
+A request travels one line: socket -> frame -> request -> confine -> shard ->
+worker queue, and outcomes travel back: worker -> books -> reply / stats.
+Nothing here blocks on a file system: workers do every open and read, so a slow
+or hung disk can never stall a caller's acknowledgement.
+
+Signal handlers only record the signal; the loop does the work (gunicorn's
+arbiter does the same), which keeps forking safe: no threads ever exist here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import heapq
+import itertools
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvprefetchd
+from kvprefetchd.books import Books, PendingRequest
+from kvprefetchd.channel import BOOT_FAILED, DONE, READY, WARM, ChannelReader, pack
+from kvprefetchd.config import Config
+from kvprefetchd.confine import Roots
+from kvprefetchd.engines import engine_class
+from kvprefetchd.engines.base import Engine, EngineSettings
+from kvprefetchd.protocol import (
+    BAD_REQUEST,
+    INTERNAL,
+    OVERLOADED,
+    PROTOCOL_VERSION,
+    TOO_LARGE,
+    Limits,
+    Request,
+    RequestError,
+    decode_payload,
+    error_reply,
+    ok_reply,
+    parse_prefetch,
+    parse_request,
+)
+from kvprefetchd.residency import RootRule, choose_rule
+from kvprefetchd.server import Connection, listen_unix
+from kvprefetchd.shard import shard_of
+from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
+
+log = logging.getLogger("kvprefetchd")
+
+BOOT_TIMEOUT = 20.0
+
+
+class HaltError(RuntimeError):
+    """The daemon cannot go on (a worker cannot boot); the message is for the operator."""
+
+
+@dataclass
+class WorkerHandle:
+    index: int
+    pid: int
+    sock: socket.socket
+    reader: ChannelReader
+    output: bytearray = field(default_factory=bytearray)
+    ready: bool = False
+    engine: str = ""
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    counters: Counter[str] = field(default_factory=Counter)
+
+
+class Supervisor:
+    def __init__(self, config: Config, listener: socket.socket | None = None) -> None:
+        self.config = config
+        self.roots = Roots(config.roots, config.max_path_bytes)
+        self.limits = Limits(
+            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
+        )
+        self.rules: list[RootRule] = [
+            choose_rule(root, config.residency_for(root)) for root in config.roots
+        ]
+        self.engine_class: type[Engine] = engine_class(config.engine, config.warm_mode)
+        self.plan_settings = EngineSettings(
+            chunk_bytes=config.chunk_bytes,
+            queue_depth=config.queue_depth,
+            pread_threads=config.pread_threads,
+            fadv_random=config.fadv_random,
+            batch_files=config.batch_files,
+            max_open_files=config.max_open_files,
+        )
+        self.books = Books(config.worker_count)
+        self.workers: list[WorkerHandle | None] = [None] * config.worker_count
+        self.selector = selectors.DefaultSelector()
+        self.listener = listener
+        self.connections: dict[int, Connection] = {}
+        self.timers: list[tuple[float, int, PendingRequest]] = []
+        self._timer_seq = itertools.count()
+        self.signals: list[int] = []
+        self.stopping = False
+        self.started = time.monotonic()
+        self.requests: Counter[str] = Counter()
+        self.worker_restarts = 0
+        self._wakeup_r, self._wakeup_w = socket.socketpair()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; returns the process exit status."""
+        for rule in self.rules:
+            log.info(
+                "root %s: %s file system, %s rule (%s)", rule.root, rule.fstype, rule.rule, rule.why
+            )
+        log.info("engine %s, warm mode %s", self.engine_class.name, self.config.warm_mode)
+        self.install_signals()
+        if self.listener is None:
+            self.listener = listen_unix(self.config.socket, self.config.socket_mode)
+        try:
+            for index in range(self.config.worker_count):
+                self.spawn_worker(index)
+            self.wait_for_workers()
+            self.selector.register(self.listener, selectors.EVENT_READ, "listener")
+            log.info(
+                "serving on %s with %d workers (pid %d)",
+                self.config.socket,
+                len(self.workers),
+                os.getpid(),
+            )
+            while not self.stopping:
+                self.run_once(self.next_timeout())
+            self.drain()
+            return 0
+        finally:
+            self.halt()
+
+    def install_signals(self) -> None:
+        self._wakeup_r.setblocking(False)
+        self._wakeup_w.setblocking(False)
+        signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(signum, self._record_signal)
+        self.selector.register(self._wakeup_r, selectors.EVENT_READ, "signals")
+
+    def _record_signal(self, signum: int, _frame: Any) -> None:
+        self.signals.append(signum)
+
+    def handle_signals(self) -> None:
+        try:
+            while self._wakeup_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        signals, self.signals = self.signals, []
+        for signum in signals:
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                if not self.stopping:
+                    log.info("%s: draining and stopping", signal.Signals(signum).name)
+                self.stopping = True
+            elif signum == signal.SIGCHLD:
+                self.reap_workers()
+            elif signum == signal.SIGHUP:
+                log.info("SIGHUP: configuration reload is not supported yet; ignored")
+
+    # ---- workers ---------------------------------------------------------------------------
+
+    def spawn_worker(self, index: int) -> None:
+        plan = WorkerPlan(
+            index=index,
+            roots=self.config.roots,
+            rules=tuple(rule.code for rule in self.rules),
+            engine_class=self.engine_class,
+            engine_settings=self.plan_settings,
+            dedup_ttl=self.config.dedup_ttl_ms / 1000.0,
+            dedup_entries=self.config.dedup_entries,
+        )
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (parent_sock, child_sock):
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns here
+            parent_sock.close()
+            worker_main(plan, child_sock)
+        child_sock.close()
+        parent_sock.setblocking(False)
+        previous = self.workers[index]
+        handle = WorkerHandle(index, pid, parent_sock, ChannelReader(parent_sock))
+        if previous is not None:
+            handle.restarts = previous.restarts + 1
+        self.workers[index] = handle
+        self.selector.register(parent_sock, selectors.EVENT_READ, handle)
+        log.debug("worker %d spawned as pid %d", index, pid)
+
+    def wait_for_workers(self) -> None:
+        """Serve nobody until every worker has booted; one that cannot boot halts the daemon."""
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        while not all(w is not None and w.ready for w in self.workers):
+            if self.stopping:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise HaltError(f"workers did not boot within {BOOT_TIMEOUT:.0f} s")
+            self.run_once(min(remaining, 0.5))
+
+    def reap_workers(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            for handle in self.workers:
+                if handle is not None and handle.pid == pid:
+                    self.worker_died(handle, status)
+
+    def worker_died(self, handle: WorkerHandle, status: int) -> None:
+        if self.workers[handle.index] is not handle:
+            return
+        with_code = os.waitstatus_to_exitcode(status) if status >= 0 else None
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(handle.sock)
+        # Any outcomes it managed to send before dying still count.
+        self.on_worker_messages(handle, handle.reader.read_available())
+        handle.sock.close()
+        for request in self.books.fail_worker(handle.index):
+            self.answer(request)
+        if not handle.ready or with_code == EXIT_BOOT_FAILED:
+            raise HaltError(f"worker {handle.index} could not boot (exit status {with_code})")
+        if self.stopping:
+            self.workers[handle.index] = None
+            return
+        log.warning(
+            "worker %d (pid %d) died (exit status %s); its files failed; respawning",
+            handle.index,
+            handle.pid,
+            with_code,
+        )
+        self.worker_restarts += 1
+        self.spawn_worker(handle.index)
+
+    def on_worker_messages(self, handle: WorkerHandle, messages: list[list[Any]]) -> None:
+        for message in messages:
+            kind = message[0]
+            if kind == DONE:
+                for ticket, outcome, nbytes in message[1]:
+                    request = self.books.settle(handle.index, ticket, outcome, nbytes)
+                    if request is not None:
+                        self.answer(request)
+                handle.counters.update(message[2])
+            elif kind == READY:
+                handle.ready = True
+                handle.engine = message[1].get("engine", "")
+                log.debug("worker %d ready (pid %d)", handle.index, handle.pid)
+            elif kind == BOOT_FAILED:
+                raise HaltError(f"worker {handle.index} could not boot: {message[1]}")
+
+    def send_to_worker(self, handle: WorkerHandle, message: list[Any]) -> None:
+        handle.output += pack(message)
+        self.flush_worker(handle)
+
+    def flush_worker(self, handle: WorkerHandle) -> None:
+        while handle.output:
+            try:
+                sent = handle.sock.send(handle.output)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as error:
+                if error.errno in (errno.EPIPE, errno.ECONNRESET):
+                    handle.output.clear()  # it is dying; SIGCHLD settles its books
+                    break
+                raise
+            del handle.output[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if handle.output else 0)
+        self.selector.modify(handle.sock, events, handle)
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def next_timeout(self) -> float | None:
+        if not self.timers:
+            return None
+        return max(0.0, self.timers[0][0] - time.monotonic())
+
+    def run_once(self, timeout: float | None) -> None:
+        for key, events in self.selector.select(timeout):
+            data = key.data
+            if data == "signals":
+                self.handle_signals()
+            elif data == "listener":
+                self.accept_connections()
+            elif isinstance(data, WorkerHandle):
+                if events & selectors.EVENT_WRITE:
+                    self.flush_worker(data)
+                if events & selectors.EVENT_READ and self.workers[data.index] is data:
+                    self.on_worker_messages(data, data.reader.read_available())
+                    if data.reader.closed:
+                        self.worker_closed(data)
+            elif isinstance(data, Connection):
+                if events & selectors.EVENT_WRITE:
+                    data.flush()
+                if events & selectors.EVENT_READ:
+                    self.read_connection(data)
+                self.update_connection(data)
+        self.fire_timers()
+
+    def worker_closed(self, handle: WorkerHandle) -> None:
+        """EOF from a worker: it is dying; wait for it so its exit status is known."""
+        try:
+            _, status = os.waitpid(handle.pid, 0)
+        except ChildProcessError:
+            status = -1
+        self.worker_died(handle, status)
+
+    def fire_timers(self) -> None:
+        now = time.monotonic()
+        while self.timers and self.timers[0][0] <= now:
+            _, _, request = heapq.heappop(self.timers)
+            if not request.answered:
+                self.books.expire(request)
+                self.answer(request)
+
+    # ---- connections -----------------------------------------------------------------------
+
+    def accept_connections(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:
+                if error.errno in (errno.EMFILE, errno.ENFILE):
+                    log.warning("cannot accept a connection: %s", error.strerror)
+                    return
+                raise
+            if len(self.connections) >= self.config.max_connections:
+                sock.close()
+                self.requests["connections_refused"] += 1
+                continue
+            sock.setblocking(False)
+            connection = Connection(sock, self.config.max_frame_bytes, self.config.max_output_bytes)
+            self.connections[sock.fileno()] = connection
+            self.selector.register(sock, selectors.EVENT_READ, connection)
+
+    def read_connection(self, connection: Connection) -> None:
+        try:
+            data = connection.sock.recv(256 * 1024)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            connection.broken = True
+            return
+        for frame in connection.frames.feed(data):
+            if frame.payload is None:
+                connection.send(
+                    error_reply(
+                        None,
+                        TOO_LARGE,
+                        f"frame of {frame.skipped_bytes} bytes exceeds the limit of "
+                        f"{self.config.max_frame_bytes}",
+                    )
+                )
+                self.requests["too_large"] += 1
+                continue
+            self.handle_frame(connection, frame.payload)
+
+    def update_connection(self, connection: Connection) -> None:
+        if connection.broken or connection.closed:
+            self.drop_connection(connection)
+            return
+        connection.paused = connection.backlogged
+        events = 0 if connection.paused else selectors.EVENT_READ
+        if connection.output:
+            events |= selectors.EVENT_WRITE
+        if events == 0:
+            events = selectors.EVENT_WRITE
+        self.selector.modify(connection.sock, events, connection)
+
+    def drop_connection(self, connection: Connection) -> None:
+        fd = connection.fileno()
+        if fd >= 0:
+            self.connections.pop(fd, None)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(connection.sock)
+        connection.close()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def handle_frame(self, connection: Connection, payload: bytes) -> None:
+        request_id: int | None = None
+        try:
+            message = decode_payload(payload, self.limits)
+            raw_id = message.get("id")
+            if isinstance(raw_id, int) and not isinstance(raw_id, bool) and raw_id >= 0:
+                request_id = raw_id
+            request = parse_request(message)
+            if self.stopping:
+                raise RequestError(OVERLOADED, "the daemon is shutting down", request_id)
+            self.requests[request.op] += 1
+            self.dispatch(connection, request)
+        except RequestError as error:
+            self.requests[f"error_{error.code}"] += 1
+            rid = error.request_id if error.request_id is not None else request_id
+            connection.send(error_reply(rid, error.code, error.message))
+        except Exception as error:  # a bug must cost one reply, never the daemon
+            log.exception("internal error handling a request")
+            self.requests[f"error_{INTERNAL}"] += 1
+            connection.send(error_reply(request_id, INTERNAL, f"{type(error).__name__}: {error}"))
+
+    def dispatch(self, connection: Connection, request: Request) -> None:
+        if request.op == "ping":
+            connection.send(
+                ok_reply(
+                    request.request_id,
+                    version=kvprefetchd.__version__,
+                    protocol=PROTOCOL_VERSION,
+                    engine=self.engine_class.name,
+                    workers=len(self.workers),
+                )
+            )
+        elif request.op == "stats":
+            connection.send(ok_reply(request.request_id, stats=self.stats()))
+        elif request.op == "prefetch":
+            self.prefetch(connection, request)
+
+    def prefetch(self, connection: Connection, request: Request) -> None:
+        args = parse_prefetch(request, self.config.read_bytes, self.config.max_read_bytes)
+        if len(args.paths) > self.config.max_paths_per_request:
+            raise RequestError(
+                BAD_REQUEST,
+                f"paths: {len(args.paths)} exceeds the limit of "
+                f"{self.config.max_paths_per_request}",
+                request.request_id,
+            )
+        now = time.monotonic()
+        pending: PendingRequest | None = None
+        if args.wait:
+            timeout_ms = args.timeout_ms
+            deadline = now + timeout_ms / 1000.0 if timeout_ms is not None else None
+
+            def reply_to(done: PendingRequest, connection: Connection = connection) -> None:
+                connection.send(
+                    ok_reply(
+                        done.request_id,
+                        accepted=done.accepted,
+                        dropped=done.dropped,
+                        rejected=done.rejected,
+                        outcomes=done.outcome_map(),
+                        elapsed_us=int((time.monotonic() - done.started) * 1e6),
+                    )
+                )
+                self.update_connection(connection)
+
+            pending = PendingRequest(request.request_id, reply_to, now, deadline)
+        accepted, dropped, rejected = self.enqueue(args.paths, args.read_bytes, pending)
+        if pending is None:
+            connection.send(
+                ok_reply(request.request_id, accepted=accepted, dropped=dropped, rejected=rejected)
+            )
+            return
+        if pending.outstanding == 0:
+            self.answer(pending)
+        elif pending.deadline is not None:
+            heapq.heappush(self.timers, (pending.deadline, next(self._timer_seq), pending))
+
+    def enqueue(
+        self, paths: list[Any], want: int, pending: PendingRequest | None
+    ) -> tuple[int, int, int]:
+        """Confine, shard and queue; a full worker queue drops the file, never blocks."""
+        workers = len(self.workers)
+        batches: list[list[list[Any]]] = [[] for _ in range(workers)]
+        limit = self.config.queue_limit
+        accepted = dropped = rejected = 0
+        for path in paths:
+            placed = self.roots.place(path)
+            if isinstance(placed, str):
+                rejected += 1
+                log.debug("rejected %r: %s", path, placed)
+                continue
+            index = shard_of(placed.root_index, placed.relative, workers)
+            if self.books.outstanding(index) >= limit or self.workers[index] is None:
+                dropped += 1
+                continue
+            ticket = self.books.issue(index, pending)
+            batches[index].append([ticket, placed.root_index, placed.relative, want])
+            accepted += 1
+        if rejected:
+            self.books.count_refused("rejected", pending, rejected)
+        if dropped:
+            self.books.count_refused("dropped", pending, dropped)
+        for index, batch in enumerate(batches):
+            handle = self.workers[index]
+            if batch and handle is not None:
+                self.send_to_worker(handle, [WARM, batch])
+        return accepted, dropped, rejected
+
+    def answer(self, request: PendingRequest) -> None:
+        if request.answered:
+            return
+        request.answered = True
+        request.reply_to(request)
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        totals = self.books.totals
+        return {
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "version": kvprefetchd.__version__,
+            "engine": self.engine_class.name,
+            "warm_mode": self.config.warm_mode,
+            "requests": dict(self.requests),
+            "files": {
+                "accepted": totals["accepted"],
+                "dropped": totals["dropped"],
+                "rejected_by_supervisor": totals["rejected_by_supervisor"],
+                "read": totals["read"],
+                "resident": totals["resident"],
+                "missing": totals["missing"],
+                "rejected": totals["rejected"],
+                "failed": totals["failed"],
+                "expired_replies": totals["expired_replies"],
+                "in_flight": sum(len(open_) for open_ in self.books.open),
+            },
+            "bytes_read": self.books.bytes_read,
+            "worker_restarts": self.worker_restarts,
+            "connections": len(self.connections),
+            "roots": [
+                {"root": r.root, "fstype": r.fstype, "rule": r.rule, "why": r.why}
+                for r in self.rules
+            ],
+            "workers": [self._worker_stats(handle) for handle in self.workers if handle],
+        }
+
+    def _worker_stats(self, handle: WorkerHandle) -> dict[str, Any]:
+        return {
+            "index": handle.index,
+            "pid": handle.pid,
+            "ready": handle.ready,
+            "engine": handle.engine,
+            "queue_depth": self.books.outstanding(handle.index),
+            "queue_limit": self.config.queue_limit,
+            "restarts": handle.restarts,
+            **dict(handle.counters),
+        }
+
+    # ---- shutdown --------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Stop taking connections, give waiting requests a moment, then answer them all."""
+        if self.listener is not None:
+            self._close_listener()
+        deadline = time.monotonic() + self.config.drain_seconds
+        while time.monotonic() < deadline and any(
+            request is not None and not request.answered
+            for open_ in self.books.open
+            for request in open_.values()
+        ):
+            self.run_once(min(0.05, max(0.0, deadline - time.monotonic())))
+        for open_ in self.books.open:
+            for request in list(open_.values()):
+                if request is not None and not request.answered:
+                    self.books.expire(request)
+                    self.answer(request)
+        flush_deadline = time.monotonic() + 0.5
+        while time.monotonic() < flush_deadline and any(
+            c.output for c in self.connections.values() if not c.broken
+        ):
+            self.run_once(0.05)
+
+    def _close_listener(self) -> None:
+        assert self.listener is not None
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(self.listener)
+        self.listener.close()
+        self.listener = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket)
+
+    def halt(self) -> None:
+        """Stop the workers and close everything; bounded in time however the workers behave."""
+        self.stopping = True
+        if self.listener is not None:
+            self._close_listener()
+        for connection in list(self.connections.values()):
+            self.drop_connection(connection)
+        live = [w for w in self.workers if w is not None]
+        for handle in live:
+            try:
+                os.kill(handle.pid, signal.SIGTERM)
+                os.kill(handle.pid, signal.SIGCONT)  # a stopped worker acts on SIGTERM only then
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 1.0
+        for handle in live:
+            while True:
+                try:
+                    pid, _ = os.waitpid(handle.pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(handle.pid, signal.SIGKILL)
+                    os.waitpid(handle.pid, 0)
+                    break
+                time.sleep(0.01)
+            handle.sock.close()
+        self.workers = [None] * len(self.workers)

@@ -1,0 +1,183 @@
+"""A worker: receive files, skip what is warm or already on its way, warm the rest in batches.
+
+Runs in a forked child that owns one engine. Its loop never waits for I/O while
+there is work: it drains its socket, answers what its memory can answer at once,
+hands the engine one batch, and reports the outcomes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from kvprefetchd.channel import (
+    BOOT_FAILED,
+    DONE,
+    READY,
+    WARM,
+    ChannelReader,
+    close_other_fds,
+    pack,
+    send_all_blocking,
+)
+from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
+from kvprefetchd.engines.base import Completion, Engine, EngineSettings, QueueAnswer, WarmItem
+from kvprefetchd.faults import WORKER_BOOT_FAILS, injected
+
+log = logging.getLogger("kvprefetchd.worker")
+
+# Named exit codes, so the supervisor can tell a worker that cannot boot (halt
+# the daemon: respawning would fail the same way forever) from one that died.
+EXIT_OK = 0
+EXIT_BOOT_FAILED = 3
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """Everything a worker needs, fixed by the supervisor before it forks."""
+
+    index: int
+    roots: tuple[str, ...]
+    rules: tuple[int, ...]
+    engine_class: type[Engine]
+    engine_settings: EngineSettings
+    dedup_ttl: float
+    dedup_entries: int
+
+
+def _open_root(path: str) -> int:
+    """A directory fd to resolve beneath; -1 while the root does not exist (yet)."""
+    try:
+        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+
+
+class Worker:
+    def __init__(self, plan: WorkerPlan, sock: socket.socket, engine: Engine) -> None:
+        self.plan = plan
+        self.sock = sock
+        self.engine = engine
+        self.reader = ChannelReader(sock)
+        self.root_fds = [_open_root(root) for root in plan.roots]
+        self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries)
+        self.in_flight = InFlight()
+        self.pending: deque[WarmItem] = deque()
+        self.outcomes: list[list[Any]] = []
+        self.counters = {"batches": 0, "dedup_recent": 0, "dedup_in_flight": 0}
+
+    def run(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        while True:
+            poller.poll(0 if self.pending else None)
+            for message in self.reader.read_available():
+                self.accept(message)
+            if self.reader.closed:
+                return  # the supervisor is gone: nobody to report to
+            self.flush()
+            if self.pending:
+                self.warm_one_batch()
+                self.flush()
+
+    def accept(self, message: list[Any]) -> None:
+        if message[0] != WARM:
+            log.warning("worker %d: unknown message %r", self.plan.index, message[0])
+            return
+        for ticket, root_index, relative, want in message[1]:
+            key: Key = (root_index, relative)
+            if self.recent.covers(key, want):
+                self.counters["dedup_recent"] += 1
+                self.outcomes.append([ticket, "resident", 0])
+                continue
+            if not self.in_flight.join(key, want, ticket):
+                self.counters["dedup_in_flight"] += 1
+                continue
+            root_fd = self.root_fd(root_index)
+            if root_fd < 0:
+                for waiting in self.in_flight.settle(key, want):
+                    self.outcomes.append([waiting, "missing", 0])
+                continue
+            rule = self.plan.rules[root_index]
+            self.pending.append(WarmItem(root_fd, rule, relative, want, key))
+
+    def root_fd(self, index: int) -> int:
+        """A root that did not exist at start may have been created since: look again."""
+        if self.root_fds[index] < 0:
+            self.root_fds[index] = _open_root(self.plan.roots[index])
+        return self.root_fds[index]
+
+    def warm_one_batch(self) -> None:
+        while self.pending and self.engine.queue(self.pending[0]) is QueueAnswer.QUEUED:
+            self.pending.popleft()
+        self.engine.submit()
+        self.counters["batches"] += 1
+        for completion in self.engine.reap():
+            self.settle(completion)
+
+    def settle(self, completion: Completion) -> None:
+        item = completion.item
+        if completion.outcome in ("read", "resident"):
+            self.recent.remember(item.key, item.want)
+        bytes_read = completion.done if completion.outcome == "read" else 0
+        tickets = self.in_flight.settle(item.key, item.want)
+        for position, ticket in enumerate(tickets):
+            # Bytes are counted once per real read, not once per waiting request.
+            self.outcomes.append([ticket, completion.outcome, bytes_read if position == 0 else 0])
+        if completion.outcome == "failed":
+            log.debug(
+                "worker %d: %r failed: %s",
+                self.plan.index,
+                item.relative,
+                os.strerror(completion.error) if completion.error else "unknown",
+            )
+
+    def flush(self) -> None:
+        if not self.outcomes:
+            return
+        counters = {k: v for k, v in self.counters.items() if v}
+        self.counters = dict.fromkeys(self.counters, 0)
+        send_all_blocking(self.sock, pack([DONE, self.outcomes, counters]))
+        self.outcomes = []
+
+
+def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
+    """Entry point in the forked child; never returns into the supervisor's code."""
+    status = EXIT_OK
+    try:
+        close_other_fds({0, 1, 2, sock.fileno()})
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        try:
+            import setproctitle
+
+            setproctitle.setproctitle(f"kvprefetchd: worker {plan.index}")
+        except ImportError:
+            pass
+        sock.setblocking(False)
+        try:
+            if injected(WORKER_BOOT_FAILS):
+                raise RuntimeError("boot failure injected by KVPREFETCHD_FAULTS")
+            engine = plan.engine_class(plan.engine_settings)
+        except Exception as error:
+            send_all_blocking(sock, pack([BOOT_FAILED, f"{type(error).__name__}: {error}"]))
+            os._exit(EXIT_BOOT_FAILED)
+        send_all_blocking(sock, pack([READY, {"engine": engine.name, "pid": os.getpid()}]))
+        Worker(plan, sock, engine).run()
+    except BaseException:
+        log.exception("worker %d crashed", plan.index)
+        status = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)

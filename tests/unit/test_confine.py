@@ -1,0 +1,47 @@
+"""The lexical gate: which root a path is under, or why it is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvprefetchd.confine import Placed, Roots
+
+ROOTS = Roots(("/kv", "/kv/nested", "/other/"), max_path_bytes=128)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/kv/a/b.bin", Placed(0, b"a/b.bin")),
+        ("/kv//a.bin", Placed(0, b"a.bin")),
+        ("/kv/nested/x.bin", Placed(1, b"x.bin")),
+        ("/other/y", Placed(2, b"y")),
+        (b"/kv/\xff\xfe.bin", Placed(0, b"\xff\xfe.bin")),
+    ],
+)
+def test_paths_under_a_root_are_placed(path: str | bytes, expected: Placed) -> None:
+    assert ROOTS.place(path) == expected
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("kv/a", "relative path"),
+        ("/kvx/a", "outside the allowed roots"),
+        ("/etc/passwd", "outside the allowed roots"),
+        ("/kv", "outside the allowed roots"),
+        ("/kv/", "names a root itself, not a file"),
+        ("/kv/../etc/passwd", "'..' component"),
+        ("/kv/a/../../etc", "'..' component"),
+        ("/kv/a\0b", "NUL byte in path"),
+        ("/kv/" + "a" * 200, "path too long"),
+        (7, "path is not a string"),
+        (None, "path is not a string"),
+    ],
+)
+def test_refusals_name_their_reason(path: object, reason: str) -> None:
+    assert ROOTS.place(path) == reason
+
+
+def test_dotdot_inside_a_name_is_not_a_component() -> None:
+    assert ROOTS.place("/kv/a..b/..c") == Placed(0, b"a..b/..c")

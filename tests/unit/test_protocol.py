@@ -1,0 +1,118 @@
+"""Framing and request decoding, without sockets."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvprefetchd.protocol import (
+    BAD_REQUEST,
+    HEADER,
+    UNKNOWN_OP,
+    UNSUPPORTED_VERSION,
+    FrameReader,
+    Limits,
+    RequestError,
+    decode_payload,
+    encode_frame,
+    parse_prefetch,
+    parse_request,
+)
+
+LIMITS = Limits(max_frame_bytes=1 << 20, max_paths=1000, max_path_bytes=4096)
+
+
+def frames_of(reader: FrameReader, data: bytes) -> list[bytes | None]:
+    return [frame.payload for frame in reader.feed(data)]
+
+
+def test_frames_split_across_reads_are_reassembled() -> None:
+    stream = encode_frame({"a": 1}) + encode_frame({"b": [1, 2, 3]})
+    reader = FrameReader(1024)
+    got: list[bytes | None] = []
+    for byte in stream:
+        got += frames_of(reader, bytes([byte]))
+    assert [msgpack.unpackb(p) for p in got if p is not None] == [{"a": 1}, {"b": [1, 2, 3]}]
+    assert reader.buffered == 0
+
+
+def test_oversized_frame_is_skipped_and_the_stream_goes_on() -> None:
+    reader = FrameReader(16)
+    big = HEADER.pack(100) + b"x" * 100
+    frames = list(reader.feed(big[:50])) + list(reader.feed(big[50:] + encode_frame({"ok": 1})))
+    assert frames[0].payload is None and frames[0].skipped_bytes == 100
+    assert msgpack.unpackb(frames[1].payload) == {"ok": 1}
+
+
+MSGPACK_SCALARS = st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary() | st.booleans()
+
+
+@given(st.dictionaries(st.text(max_size=8), MSGPACK_SCALARS, max_size=8))
+def test_any_map_round_trips(message: dict[str, object]) -> None:
+    frames = list(FrameReader(1 << 20).feed(encode_frame(message)))
+    assert len(frames) == 1 and frames[0].payload is not None
+    assert decode_payload(frames[0].payload, LIMITS) == message
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"\xc1", b"\x93\x01", msgpack.packb([1, 2]), msgpack.packb("str"), msgpack.packb(1) * 2],
+    ids=["reserved-byte", "truncated-array", "array", "string", "two-values"],
+)
+def test_undecodable_or_non_map_payloads_are_bad_requests(payload: bytes) -> None:
+    with pytest.raises(RequestError) as caught:
+        decode_payload(payload, LIMITS)
+    assert caught.value.code == BAD_REQUEST
+
+
+def test_array_longer_than_the_path_limit_is_refused_while_decoding() -> None:
+    payload = msgpack.packb({"v": 1, "id": 1, "op": "prefetch", "paths": ["/a"] * 1001})
+    with pytest.raises(RequestError) as caught:
+        decode_payload(payload, LIMITS)
+    assert caught.value.code == BAD_REQUEST
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ({"v": 1, "op": "ping"}, BAD_REQUEST),
+        ({"v": 1, "id": -1, "op": "ping"}, BAD_REQUEST),
+        ({"v": 1, "id": True, "op": "ping"}, BAD_REQUEST),
+        ({"id": 1, "op": "ping"}, BAD_REQUEST),
+        ({"v": 2, "id": 1, "op": "ping"}, UNSUPPORTED_VERSION),
+        ({"v": 1, "id": 1}, BAD_REQUEST),
+        ({"v": 1, "id": 1, "op": 7}, BAD_REQUEST),
+        ({"v": 1, "id": 1, "op": "format_disk"}, UNKNOWN_OP),
+    ],
+)
+def test_envelope_errors(message: dict[str, object], code: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_request(message)
+    assert caught.value.code == code
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"paths": "/a"},
+        {"paths": [], "wait": 1},
+        {"paths": [], "read_bytes": 0},
+        {"paths": [], "read_bytes": "1"},
+        {"paths": [], "read_bytes": 1 << 40},
+        {"paths": [], "timeout_ms": -5},
+    ],
+)
+def test_prefetch_field_errors(fields: dict[str, object]) -> None:
+    request = parse_request({"v": 1, "id": 9, "op": "prefetch", **fields})
+    with pytest.raises(RequestError) as caught:
+        parse_prefetch(request, 4096, 1 << 20)
+    assert caught.value.code == BAD_REQUEST and caught.value.request_id == 9
+
+
+def test_prefetch_defaults() -> None:
+    args = parse_prefetch(parse_request({"v": 1, "id": 1, "op": "prefetch", "paths": ["/x"]}),
+                          4096, 1 << 20)
+    assert (args.wait, args.read_bytes, args.timeout_ms) == (False, 4096, None)
