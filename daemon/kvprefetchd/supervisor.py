@@ -31,8 +31,8 @@ from kvprefetchd.books import Books, PendingRequest
 from kvprefetchd.channel import BOOT_FAILED, DONE, READY, WARM, ChannelReader, pack
 from kvprefetchd.config import Config
 from kvprefetchd.confine import Roots
-from kvprefetchd.engines import engine_class
-from kvprefetchd.engines.base import Engine, EngineSettings
+from kvprefetchd.engines import engine_candidates
+from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.protocol import (
     BAD_REQUEST,
     INTERNAL,
@@ -86,7 +86,7 @@ class Supervisor:
         self.rules: list[RootRule] = [
             choose_rule(root, config.residency_for(root)) for root in config.roots
         ]
-        self.engine_class: type[Engine] = engine_class(config.engine, config.warm_mode)
+        self.engine_classes = engine_candidates(config.engine, config.warm_mode)
         self.plan_settings = EngineSettings(
             chunk_bytes=config.chunk_bytes,
             queue_depth=config.queue_depth,
@@ -117,7 +117,11 @@ class Supervisor:
             log.info(
                 "root %s: %s file system, %s rule (%s)", rule.root, rule.fstype, rule.rule, rule.why
             )
-        log.info("engine %s, warm mode %s", self.engine_class.name, self.config.warm_mode)
+        log.info(
+            "engine %s, warm mode %s",
+            " or ".join(e.name for e in self.engine_classes),
+            self.config.warm_mode,
+        )
         self.install_signals()
         if self.listener is None:
             self.listener = listen_unix(self.config.socket, self.config.socket_mode)
@@ -174,7 +178,7 @@ class Supervisor:
             index=index,
             roots=self.config.roots,
             rules=tuple(rule.code for rule in self.rules),
-            engine_class=self.engine_class,
+            engine_classes=self.engine_classes,
             engine_settings=self.plan_settings,
             dedup_ttl=self.config.dedup_ttl_ms / 1000.0,
             dedup_entries=self.config.dedup_entries,
@@ -424,7 +428,7 @@ class Supervisor:
                     request.request_id,
                     version=kvprefetchd.__version__,
                     protocol=PROTOCOL_VERSION,
-                    engine=self.engine_class.name,
+                    engine=self.engine_name,
                     workers=len(self.workers),
                 )
             )
@@ -510,6 +514,14 @@ class Supervisor:
         request.answered = True
         request.reply_to(request)
 
+    @property
+    def engine_name(self) -> str:
+        """The engine the workers run (the first choice until one reports otherwise)."""
+        engines = {w.engine for w in self.workers if w is not None and w.ready}
+        if len(engines) == 1:
+            return engines.pop()
+        return "+".join(sorted(engines)) if engines else self.engine_classes[0].name
+
     # ---- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -517,7 +529,7 @@ class Supervisor:
         return {
             "uptime_s": round(time.monotonic() - self.started, 3),
             "version": kvprefetchd.__version__,
-            "engine": self.engine_class.name,
+            "engine": self.engine_name,
             "warm_mode": self.config.warm_mode,
             "requests": dict(self.requests),
             "files": {

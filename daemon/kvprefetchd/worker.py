@@ -46,7 +46,7 @@ class WorkerPlan:
     index: int
     roots: tuple[str, ...]
     rules: tuple[int, ...]
-    engine_class: type[Engine]
+    engine_classes: tuple[type[Engine], ...]
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
@@ -148,6 +148,19 @@ class Worker:
         self.outcomes = []
 
 
+def build_engine(plan: WorkerPlan) -> Engine:
+    """The first candidate engine that sets up here; the last one's error if none does."""
+    failure: Exception | None = None
+    for engine_class in plan.engine_classes:
+        try:
+            return engine_class(plan.engine_settings)
+        except Exception as error:
+            log.warning("worker %d: engine %s: %s", plan.index, engine_class.name, error)
+            failure = error
+    assert failure is not None
+    raise failure
+
+
 def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
     """Entry point in the forked child; never returns into the supervisor's code."""
     status = EXIT_OK
@@ -168,7 +181,7 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
         try:
             if injected(WORKER_BOOT_FAILS):
                 raise RuntimeError("boot failure injected by KVPREFETCHD_FAULTS")
-            engine = plan.engine_class(plan.engine_settings)
+            engine = build_engine(plan)
         except Exception as error:
             send_all_blocking(sock, pack([BOOT_FAILED, f"{type(error).__name__}: {error}"]))
             os._exit(EXIT_BOOT_FAILED)

@@ -41,6 +41,8 @@ def test_socket_is_created_with_mode_0660(daemon: Daemon) -> None:
 def test_wait_warms_cold_heads_then_reports_them_resident(
     daemon_factory: Any, tmp_path: Path, engine: str
 ) -> None:
+    if engine == "io_uring" and (why := uring_unavailable()):
+        pytest.skip(f"io_uring unavailable here: {why}")
     d: Daemon = daemon_factory("--engine", engine)
     head = 1 * MIB
     sizes = [4 * MIB] * 40 + [300 * 1024, 5000, 1, 0, head, head + 1]
@@ -314,3 +316,32 @@ def test_stats_books_balance_after_mixed_traffic(daemon: Daemon) -> None:
     settled = sum(files[k] for k in ("read", "resident", "missing", "rejected", "failed"))
     assert files["accepted"] == settled + files["in_flight"]
     assert files["rejected_by_supervisor"] == 1
+
+
+def uring_unavailable() -> str | None:
+    from kvprefetchd.engines.uring import UringEngine
+
+    return UringEngine.unavailable_reason()
+
+
+@pytest.mark.parametrize(("engine", "expected"), [("io_uring", "io_uring"),
+                                                  ("pread", "pread"), ("fadvise", "fadvise")])
+def test_ping_reports_the_engine_in_use(daemon_factory: Any, engine: str, expected: str) -> None:
+    if engine == "io_uring" and (why := uring_unavailable()):
+        pytest.skip(f"io_uring unavailable here: {why}")
+    d: Daemon = daemon_factory("--engine", engine)
+    assert d.call("ping")["engine"] == expected
+
+
+def test_auto_picks_io_uring_where_it_works(daemon: Daemon) -> None:
+    expected = "pread" if uring_unavailable() else "io_uring"
+    assert daemon.call("ping")["engine"] == expected
+
+
+def test_advise_mode_confirms_heads_resident(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory("--engine", "auto", "--warm-mode", "advise")
+    files = [make_file(d.root / f"a{i}.bin", 3 * MIB) for i in range(20)]
+    reply = d.call("prefetch", paths=[str(f) for f in files], wait=True)
+    assert reply["outcomes"]["read"] == 20, reply
+    warm = sum(resident_bytes(f, MIB) for f in files)
+    assert warm >= 0.99 * 20 * MIB

@@ -1,36 +1,55 @@
 """Engine registry: pick one by name, or the best this machine offers.
 
 `auto` prefers io_uring (the mission's engine: one ring, batched reads, no
-thread per file), then pread; the pick and the reasons for passing over the
-others are logged and reported by `ping`.
+thread per file), then pread (fadvise in advise mode). The supervisor probes
+once and logs why an engine is passed over; each worker then builds the first
+candidate that works for it, so a ring refused inside a worker (seccomp, a
+memory limit) degrades to the fallback instead of failing the boot.
 """
 
 from __future__ import annotations
+
+import logging
 
 from kvprefetchd.engines.base import Engine
 from kvprefetchd.engines.fadvise import FadviseEngine
 from kvprefetchd.engines.pread import PreadEngine
 from kvprefetchd.engines.uring import UringAdviseEngine, UringEngine
 
+log = logging.getLogger("kvprefetchd.engines")
+
 
 class NoEngine(RuntimeError):
     """The configured engine cannot run here; the message says why."""
 
 
-def engine_class(name: str, warm_mode: str) -> type[Engine]:
-    """Resolve a configured engine name and warm mode to the class a worker will build."""
-    if name == "auto":
-        return engine_class("io_uring", warm_mode) if UringEngine.unavailable_reason() is None \
-            else engine_class("fadvise" if warm_mode == "advise" else "pread", warm_mode)
+def _named(name: str, warm_mode: str) -> type[Engine]:
     if name == "io_uring":
-        chosen: type[Engine] = UringAdviseEngine if warm_mode == "advise" else UringEngine
-    elif name == "fadvise":
-        chosen = FadviseEngine
-    elif name == "pread":
-        chosen = FadviseEngine if warm_mode == "advise" else PreadEngine
-    else:
-        raise NoEngine(f"unknown engine {name!r}")
-    reason = chosen.unavailable_reason()
-    if reason is not None:
-        raise NoEngine(f"engine {name} is unavailable: {reason}")
-    return chosen
+        return UringAdviseEngine if warm_mode == "advise" else UringEngine
+    if name == "fadvise":
+        return FadviseEngine
+    if name == "pread":
+        # pread has no advise form: posix_fadvise(WILLNEED) is the portable one.
+        return FadviseEngine if warm_mode == "advise" else PreadEngine
+    raise NoEngine(f"unknown engine {name!r}")
+
+
+def engine_candidates(name: str, warm_mode: str) -> tuple[type[Engine], ...]:
+    """The engines to try, best first; explicit names allow no fallback."""
+    if name != "auto":
+        chosen = _named(name, warm_mode)
+        reason = chosen.unavailable_reason()
+        if reason is not None:
+            raise NoEngine(f"engine {name} is unavailable: {reason}")
+        return (chosen,)
+    candidates = []
+    for option in ("io_uring", "pread"):
+        engine = _named(option, warm_mode)
+        reason = engine.unavailable_reason()
+        if reason is None:
+            candidates.append(engine)
+        else:
+            log.info("engine auto: passing over %s: %s", option, reason)
+    if not candidates:
+        raise NoEngine("no engine can run here (is the native extension built?)")
+    return tuple(candidates)
