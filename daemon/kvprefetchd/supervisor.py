@@ -485,18 +485,22 @@ class Supervisor:
         batches: list[list[list[Any]]] = [[] for _ in range(workers)]
         limit = self.config.queue_limit
         accepted = dropped = rejected = 0
+        place, issue, open_ = self.roots.place, self.books.issue, self.books.open
+        alive = [handle is not None for handle in self.workers]
+        debug = log.isEnabledFor(logging.DEBUG)
         for path in paths:
-            placed = self.roots.place(path)
+            placed = place(path)
             if isinstance(placed, str):
                 rejected += 1
-                log.debug("rejected %r: %s", path, placed)
+                if debug:
+                    log.debug("rejected %r: %s", path, placed)
                 continue
-            index = shard_of(placed.root_index, placed.relative, workers)
-            if self.books.outstanding(index) >= limit or self.workers[index] is None:
+            root_index, relative = placed
+            index = shard_of(root_index, relative, workers)
+            if len(open_[index]) >= limit or not alive[index]:
                 dropped += 1
                 continue
-            ticket = self.books.issue(index, pending)
-            batches[index].append([ticket, placed.root_index, placed.relative, want])
+            batches[index].append([issue(index, pending), root_index, relative, want])
             accepted += 1
         if rejected:
             self.books.count_refused("rejected", pending, rejected)
