@@ -51,9 +51,9 @@ class Roots:
         if isinstance(path, bytes):
             if len(path) > self._max:
                 return "path too long"
-            for prefix, index in self._prefixes:
-                if path.startswith(prefix):
-                    relative = path[len(prefix) :]
+            for raw_prefix, index in self._prefixes:
+                if path.startswith(raw_prefix):
+                    relative = path[len(raw_prefix) :]
                     if b"\0" in relative:
                         return "NUL byte in path"
                     return self._check(index, relative)
