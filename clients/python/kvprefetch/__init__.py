@@ -1,0 +1,33 @@
+"""Client for kvprefetchd, speaking only its wire protocol (never importing the daemon), so
+it stays honest about the contract in design/protocol.md."""
+
+from kvprefetch.aio import AsyncClient
+from kvprefetch.client import Client
+from kvprefetch.errors import (
+    ConnectFailed,
+    ConnectionClosed,
+    KVPrefetchError,
+    ProtocolError,
+    ServerError,
+    Timeout,
+)
+from kvprefetch.protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, ErrorCode, Outcome
+from kvprefetch.results import PingResult, PrefetchResult, ResolveResult
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "PROTOCOL_VERSION",
+    "AsyncClient",
+    "Client",
+    "ConnectFailed",
+    "ConnectionClosed",
+    "ErrorCode",
+    "KVPrefetchError",
+    "Outcome",
+    "PingResult",
+    "PrefetchResult",
+    "ProtocolError",
+    "ResolveResult",
+    "ServerError",
+    "Timeout",
+]

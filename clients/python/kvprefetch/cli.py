@@ -1,0 +1,231 @@
+"""`kvprefetch`: ask a running kvprefetchd to warm files, or how it is doing.
+
+Exit codes are part of the interface, so scripts can tell a refusal from an absent daemon:
+0 ok, 1 the daemon refused or the call failed, 2 usage, 3 cannot connect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from kvprefetch.client import Client
+from kvprefetch.errors import ConnectFailed, KVPrefetchError, ServerError
+from kvprefetch.protocol import DEFAULT_SOCKET, Outcome, Path, wire_path
+from kvprefetch.results import PrefetchResult, merge_prefetch
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NO_DAEMON = 3
+
+SOCKET_ENV = "KVPREFETCHD_SOCKET"
+# Requests are split well below the daemon's 16 MiB frame limit so `find | kvprefetch warm -`
+# works for any number of files, and the daemon can start on early batches sooner.
+BATCH_PATHS = 4096
+BATCH_BYTES = 1024 * 1024
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits for --help and usage errors; main returns
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    client = Client(args.socket, timeout=args.timeout or None)
+    args.socket = client.socket_path
+    try:
+        with client:
+            output = args.run(client, args)
+    except ConnectFailed as exc:
+        return _fail(str(exc), EXIT_NO_DAEMON)
+    except ServerError as exc:
+        return _fail(f"kvprefetchd refused the request: {exc}", EXIT_FAILED)
+    except KVPrefetchError as exc:
+        return _fail(str(exc), EXIT_FAILED)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if args.json:
+        print(json.dumps(_jsonable(output), sort_keys=True))
+    else:
+        print(args.describe(output, args))
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvprefetch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the exit-code lines
+    )
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help=f"daemon socket (default: ${SOCKET_ENV}, else {DEFAULT_SOCKET} if present, "
+        "else the daemon's own default: $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR or /tmp)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the daemon, on top of --timeout-ms; 0 waits forever",
+    )
+    output = argparse.ArgumentParser(add_help=False)
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ping = commands.add_parser("ping", parents=[output], help="check the daemon answers")
+    ping.set_defaults(run=_run_ping, describe=_describe_ping)
+
+    warm = commands.add_parser("warm", parents=[output], help="warm the heads of files")
+    warm.add_argument("paths", nargs="+", metavar="PATH", help="files to warm; - reads stdin")
+    warm.add_argument("--wait", action="store_true", help="wait for every file's outcome")
+    warm.add_argument("--read-bytes", type=_count, metavar="N", help="bytes to read per file")
+    warm.add_argument(
+        "--timeout-ms", type=_count, metavar="N", help="with --wait: stop waiting after N ms"
+    )
+    warm.set_defaults(run=_run_warm, describe=_describe_warm)
+
+    stats = commands.add_parser("stats", parents=[output], help="show the daemon's counters")
+    stats.set_defaults(run=_run_stats, describe=_describe_stats)
+    return parser
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {value}")
+    return value
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"kvprefetch: {message}", file=sys.stderr)
+    return code
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+def _run_ping(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return asdict(client.ping())
+
+
+def _describe_ping(out: dict[str, Any], args: argparse.Namespace) -> str:
+    return (
+        f"kvprefetchd {out['version']} at {args.socket}: protocol {out['protocol']}, "
+        f"engine {out['engine']}, {out['workers']} workers"
+    )
+
+
+def _run_warm(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    if args.timeout_ms is not None and not args.wait:
+        raise ValueError("--timeout-ms needs --wait")
+    batches = list(_batches(_expand_paths(args.paths)))
+    if not batches:
+        return asdict(PrefetchResult(0, 0, 0))
+    results = client.prefetch_many(
+        batches, wait=args.wait, read_bytes=args.read_bytes, timeout_ms=args.timeout_ms
+    )
+    return asdict(merge_prefetch(results))
+
+
+def _describe_warm(out: dict[str, Any], args: argparse.Namespace) -> str:
+    line = f"accepted {out['accepted']}, dropped {out['dropped']}, rejected {out['rejected']}"
+    outcomes: dict[str, int] | None = out["outcomes"]
+    if outcomes is not None:
+        known = [o.value for o in Outcome if o.value in outcomes]
+        names = known + sorted(set(outcomes) - set(known))
+        line += "; " + ", ".join(f"{name} {outcomes[name]}" for name in names)
+    if out["elapsed_us"] is not None:
+        line += f" in {out['elapsed_us'] / 1000:.1f} ms"
+    return line
+
+
+def _run_stats(client: Client, args: argparse.Namespace) -> dict[Any, Any]:
+    return client.stats()
+
+
+def _describe_stats(out: dict[Any, Any], args: argparse.Namespace) -> str:
+    return "\n".join(f"{key} {value}" for key, value in _flatten(out))
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _expand_paths(args: Sequence[str]) -> Iterator[Path]:
+    """Paths as the daemon needs them: absolute (it has its own cwd) and, where the name is
+    not UTF-8, as bytes. `-` stands for stdin, one path a line."""
+    for arg in args:
+        if arg == "-":
+            for line in _stdin_bytes().split(b"\n"):
+                if line:
+                    yield os.path.abspath(_text_if_utf8(line))
+        else:
+            yield os.path.abspath(wire_path(arg))
+
+
+def _stdin_bytes() -> bytes:
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is not None:
+        data: bytes = buffer.read()
+        return data
+    return os.fsencode(sys.stdin.read())
+
+
+def _text_if_utf8(raw: bytes) -> Path:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
+
+
+def _batches(paths: Iterator[Path]) -> Iterator[list[Path]]:
+    batch: list[Path] = []
+    size = 0
+    for path in paths:
+        length = len(path.encode() if isinstance(path, str) else path)
+        if batch and (len(batch) == BATCH_PATHS or size + length > BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(path)
+        size += length
+    if batch:
+        yield batch
+
+
+def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from _flatten(value[key], f"{prefix}.{_text(key)}" if prefix else _text(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _flatten(item, f"{prefix}[{index}]")
+    else:
+        yield prefix, _text(value) if isinstance(value, bytes) else value
+
+
+def _text(value: Any) -> str:
+    return os.fsdecode(value) if isinstance(value, bytes) else str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    """bytes (non-UTF-8 paths sent as bin) have no JSON form: use their fsdecode'd text.
+    Keys all become text, so mixed key types cannot break sort_keys."""
+    if isinstance(value, dict):
+        return {_text(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return _text(value)
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""Wire protocol v1 of kvprefetchd, from the client's side (see design/protocol.md).
+
+Knows frames, request shapes and reply envelopes; knows nothing of sockets, so the sync and
+the asyncio clients share every byte-level decision made here.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+from kvprefetch.errors import (
+    ConnectFailed,
+    ConnectionClosed,
+    KVPrefetchError,
+    ProtocolError,
+    ServerError,
+    Timeout,
+)
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "HEADER",
+    "MAX_BIN_BYTES",
+    "MAX_FRAME_BYTES",
+    "MAX_STR_BYTES",
+    "PROTOCOL_VERSION",
+    "ConnectFailed",
+    "ConnectionClosed",
+    "ErrorCode",
+    "FrameBuffer",
+    "KVPrefetchError",
+    "Outcome",
+    "Path",
+    "ProtocolError",
+    "Reply",
+    "ServerError",
+    "Timeout",
+    "check_reply",
+    "decode_frame",
+    "decode_payload",
+    "default_socket",
+    "encode_frame",
+    "ping_request",
+    "prefetch_blocks_request",
+    "prefetch_request",
+    "resolve_request",
+    "stamp",
+    "stats_request",
+    "wait_allowance_s",
+    "wire_path",
+]
+
+PROTOCOL_VERSION = 1
+DEFAULT_SOCKET = "/run/kvprefetchd/kvprefetchd.sock"  # where the systemd unit puts it
+
+
+def default_socket() -> str:
+    """The daemon's socket when nobody names one; the same chain the daemon binds by.
+
+    KVPREFETCHD_SOCKET first; then the systemd location if a daemon is there;
+    then $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR, /tmp (a daemon started by hand).
+    """
+    explicit = os.environ.get("KVPREFETCHD_SOCKET")
+    if explicit:
+        return explicit
+    if os.path.exists(DEFAULT_SOCKET):
+        return DEFAULT_SOCKET
+    for env in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        base = os.environ.get(env)
+        if base:
+            return os.path.join(base.split(":")[0], "kvprefetchd.sock")
+    return "/tmp/kvprefetchd.sock"
+
+
+HEADER = struct.Struct(">I")
+# The daemon's default request limit; the client holds replies to the same bound so one
+# runaway reply cannot make it buffer without end.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+# The longest strings a v1 reply carries are paths (PATH_MAX is 4096 on Linux) and error
+# messages; 1 MiB leaves room for both while refusing a hostile length prefix early.
+MAX_STR_BYTES = 1024 * 1024
+MAX_BIN_BYTES = 1024 * 1024
+# Envelope keys the client owns; a caller-supplied KV field of the same name would silently
+# change which request the reply is matched to.
+RESERVED_KEYS = frozenset({"v", "id", "op"})
+
+Reply = dict[str, Any]
+Path = str | bytes
+PathLike = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+
+
+class Outcome(StrEnum):
+    """Per-file outcome names (protocol.md, "Per-file outcomes")."""
+
+    READ = "read"
+    RESIDENT = "resident"
+    MISSING = "missing"
+    DROPPED = "dropped"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+class ErrorCode(StrEnum):
+    """Error codes of `ok: false` replies (protocol.md, "Errors")."""
+
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_OP = "unknown_op"
+    TOO_LARGE = "too_large"
+    FORBIDDEN = "forbidden"
+    OVERLOADED = "overloaded"
+    INTERNAL = "internal"
+
+
+# --- frames -------------------------------------------------------------------------------
+
+
+def encode_frame(message: Mapping[Any, Any], max_frame: int = MAX_FRAME_BYTES) -> bytes:
+    """Frame one map. Refusing oversize frames here turns the daemon's `too_large` reply
+    (which cannot name the request it refused) into a local error naming the caller."""
+    payload: bytes = msgpack.packb(message, use_bin_type=True)
+    if len(payload) > max_frame:
+        raise ValueError(
+            f"request is {len(payload)} bytes, above the {max_frame}-byte frame limit; "
+            "split the paths over several requests"
+        )
+    return HEADER.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes, max_frame: int = MAX_FRAME_BYTES) -> dict[Any, Any]:
+    """Decode a frame body into its one map, with every msgpack limit set explicitly so a
+    length prefix inside the payload can never make the client allocate beyond the frame."""
+    unpacker = msgpack.Unpacker(
+        None,
+        raw=False,
+        strict_map_key=False,  # stats may key per-worker figures by integer
+        max_buffer_size=max_frame,
+        max_str_len=min(max_frame, MAX_STR_BYTES),
+        max_bin_len=min(max_frame, MAX_BIN_BYTES),
+        # Every msgpack element takes at least one byte, so no longer container fits a frame.
+        max_array_len=max_frame,
+        max_map_len=max_frame // 2,
+        max_ext_len=0,  # v1 has no ext types; refuse them rather than guess
+    )
+    try:
+        unpacker.feed(payload)
+        message = unpacker.unpack()
+    except msgpack.OutOfData:
+        raise ProtocolError("frame payload ends inside a msgpack value") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        # ValueError covers msgpack's FormatError, StackError and limit overruns; TypeError an
+        # unhashable map key.
+        raise ProtocolError(f"undecodable frame payload: {exc}") from exc
+    if unpacker.tell() != len(payload):
+        raise ProtocolError("frame holds more than one msgpack value")
+    if not isinstance(message, dict):
+        raise ProtocolError(f"frame holds a {type(message).__name__}, not a map")
+    return message
+
+
+def decode_frame(frame: bytes, max_frame: int = MAX_FRAME_BYTES) -> dict[Any, Any]:
+    """Decode exactly one complete frame; for tests, tools and corpus files."""
+    buffer = FrameBuffer(max_frame)
+    buffer.feed(frame)
+    message = buffer.pop()
+    if message is None:
+        raise ProtocolError(f"truncated frame: {len(frame)} bytes")
+    if buffer.pending:
+        raise ProtocolError(f"{buffer.pending} bytes after the frame")
+    return message
+
+
+class FrameBuffer:
+    """Reassembles frames from whatever chunks the socket delivers.
+
+    Partial frames stay buffered across reads, so a timeout in the middle of a frame never
+    desynchronises the stream: the next read continues where this one stopped.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def pop(self) -> dict[Any, Any] | None:
+        """The next complete message, or None until more bytes arrive."""
+        if len(self._buf) < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(self._buf)
+        if length > self.max_frame:
+            raise ProtocolError(f"frame of {length} bytes is above the {self.max_frame} limit")
+        end = HEADER.size + length
+        if len(self._buf) < end:
+            return None
+        payload = bytes(self._buf[HEADER.size : end])
+        del self._buf[:end]
+        return decode_payload(payload, self.max_frame)
+
+    def clear(self) -> None:
+        self._buf.clear()
+
+
+# --- requests -----------------------------------------------------------------------------
+
+
+def stamp(request: Mapping[str, Any], request_id: int) -> dict[str, Any]:
+    """Add the envelope at send time, so builders stay free of connection state."""
+    if "op" not in request:
+        raise ValueError("a request needs an 'op'")
+    clash = RESERVED_KEYS.intersection(request) - {"op"}
+    if clash:
+        raise ValueError(f"the client sets {sorted(clash)} itself")
+    return {"v": PROTOCOL_VERSION, "id": request_id, **request}
+
+
+def wire_path(path: PathLike) -> Path:
+    """A path as the wire wants it: str when it is valid UTF-8, else bin.
+
+    Python hands non-UTF-8 names (from argv, os.listdir) as str with surrogate escapes;
+    those cannot be msgpack str, so they go back to their original bytes.
+    """
+    path = os.fspath(path)
+    if isinstance(path, str):
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            return os.fsencode(path)
+    return path
+
+
+def ping_request() -> dict[str, Any]:
+    return {"op": "ping"}
+
+
+def stats_request() -> dict[str, Any]:
+    return {"op": "stats"}
+
+
+def prefetch_request(
+    paths: Iterable[PathLike],
+    *,
+    wait: bool = False,
+    read_bytes: int | None = None,
+    timeout_ms: int | None = None,
+) -> dict[str, Any]:
+    if isinstance(paths, str | bytes | os.PathLike):
+        # A lone path is iterable too, and would be sent one character per "path".
+        raise TypeError("paths must be a collection of paths, not a single path")
+    request = {"op": "prefetch", "paths": [wire_path(p) for p in paths]}
+    request.update(_io_options(wait, read_bytes, timeout_ms))
+    return request
+
+
+def prefetch_blocks_request(
+    kv: Mapping[str, Any],
+    *,
+    wait: bool = False,
+    read_bytes: int | None = None,
+    timeout_ms: int | None = None,
+) -> dict[str, Any]:
+    """A `prefetch_blocks` request. The KV fields pass through untouched so a golden
+    vector's `inputs` can be sent as they are (protocol.md, "KV requests")."""
+    request = {**_kv_fields(kv), "op": "prefetch_blocks"}
+    request.update(_io_options(wait, read_bytes, timeout_ms))
+    return request
+
+
+def resolve_request(kv: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_kv_fields(kv), "op": "resolve"}
+
+
+def wait_allowance_s(request: Mapping[str, Any]) -> float:
+    """How much longer than the client's own timeout a reply may fairly take: a `wait`
+    request is answered only after its `timeout_ms` at worst."""
+    timeout_ms = request.get("timeout_ms")
+    if request.get("wait") is True and isinstance(timeout_ms, int):
+        return timeout_ms / 1000
+    return 0.0
+
+
+def _kv_fields(kv: Mapping[str, Any]) -> Mapping[str, Any]:
+    clash = RESERVED_KEYS.intersection(kv)
+    if clash:
+        raise ValueError(f"KV request fields may not include {sorted(clash)}")
+    return kv
+
+
+def _io_options(wait: bool, read_bytes: int | None, timeout_ms: int | None) -> dict[str, Any]:
+    if not isinstance(wait, bool):
+        raise TypeError("wait must be a bool")
+    options: dict[str, Any] = {"wait": wait}
+    if read_bytes is not None:
+        options["read_bytes"] = _count("read_bytes", read_bytes)
+    if timeout_ms is not None:
+        if not wait:
+            # protocol.md gives timeout_ms meaning only with wait; sending it alone would be
+            # silently ignored, hiding the caller's mistake.
+            raise ValueError("timeout_ms only applies with wait=True")
+        options["timeout_ms"] = _count("timeout_ms", timeout_ms)
+    return options
+
+
+def _count(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    return value
+
+
+# --- replies ------------------------------------------------------------------------------
+
+
+def check_reply(reply: Reply) -> Reply:
+    """Return a successful reply, raise ServerError for `ok: false`."""
+    ok = reply.get("ok")
+    if ok is True:
+        return reply
+    if ok is not False:
+        raise ProtocolError(f"reply without a boolean 'ok': {reply!r}")
+    error = reply.get("error")
+    if not isinstance(error, dict):
+        raise ProtocolError(f"error reply without an 'error' map: {reply!r}")
+    request_id = reply.get("id")
+    raise ServerError(
+        str(error.get("code", "")),
+        str(error.get("message", "")),
+        request_id if isinstance(request_id, int) else None,
+    )

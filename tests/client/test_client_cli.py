@@ -1,0 +1,194 @@
+"""The `kvprefetch` command: main(argv) in-process, plus `python -m kvprefetch` for real."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_daemon import FakeDaemon
+
+import kvprefetch
+from kvprefetch import cli
+
+CLIENT_SRC = Path(kvprefetch.__file__).resolve().parents[1]  # so the child imports this tree
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ping_human_and_json(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "ping")
+    assert code == 0
+    assert out == f"kvprefetchd 0.0-fake at {daemon.path}: protocol 1, engine pread, 2 workers\n"
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "ping", "--json")
+    assert code == 0
+    assert json.loads(out) == {
+        "version": "0.0-fake",
+        "protocol": 1,
+        "engine": "pread",
+        "workers": 2,
+    }
+
+
+def test_warm_human_and_json(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "warm", "/a", "/b")
+    assert (code, out) == (0, "accepted 2, dropped 0, rejected 0\n")
+    code, out, _ = run_cli(
+        capsys, "--socket", daemon.path, "warm", "/a", "/b/missing", "--wait", "--json"
+    )
+    assert code == 0
+    assert json.loads(out) == {
+        "accepted": 2,
+        "dropped": 0,
+        "rejected": 0,
+        "outcomes": {"read": 1, "missing": 1},
+        "elapsed_us": 1234,
+        "files": None,
+    }
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "warm", "/a", "/b/missing", "--wait")
+    assert out == "accepted 2, dropped 0, rejected 0; read 1, missing 1 in 1.2 ms\n"
+
+
+def test_warm_options_reach_the_wire(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--socket", daemon.path, "warm", "/a", "--wait", "--read-bytes", "8192"]
+    assert run_cli(capsys, *argv, "--timeout-ms", "250")[0] == 0
+    (request,) = daemon.requests("prefetch")
+    assert (request["wait"], request["read_bytes"], request["timeout_ms"]) == (True, 8192, 250)
+
+
+def test_warm_makes_relative_paths_absolute(
+    daemon: FakeDaemon,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(capsys, "--socket", daemon.path, "warm", "shard.bin")[0] == 0
+    assert daemon.requests("prefetch")[0]["paths"] == [str(tmp_path / "shard.bin")]
+
+
+def test_warm_reads_stdin_one_path_a_line(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stdin = io.TextIOWrapper(io.BytesIO(b"/kv/a.bin\n\n/kv/\xff.bin\n"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "warm", "/first", "-")
+    assert (code, out) == (0, "accepted 3, dropped 0, rejected 0\n")
+    paths = daemon.requests("prefetch")[0]["paths"]
+    assert paths == ["/first", "/kv/a.bin", b"/kv/\xff.bin"]  # the non-UTF-8 name as bin
+
+
+def test_warm_splits_long_lists_into_pipelined_batches(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = "".join(f"/kv/{i:06}.bin\n" for i in range(10_000)).encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines)))
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "warm", "-", "--json")
+    assert code == 0
+    assert json.loads(out)["accepted"] == 10_000
+    sizes = [len(r["paths"]) for r in daemon.requests("prefetch")]
+    assert sizes == [cli.BATCH_PATHS, cli.BATCH_PATHS, 10_000 - 2 * cli.BATCH_PATHS]
+    assert daemon.connections == 1
+
+
+def test_stats_human_and_json(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "stats", "--json")
+    assert code == 0
+    stats = json.loads(out)
+    assert stats["files"] == {"read": 3, "missing": 1}
+    assert stats["workers"] == {"0": {"queue": 0}, "1": {"queue": 2}}
+    code, out, _ = run_cli(capsys, "--socket", daemon.path, "stats")
+    assert code == 0
+    assert "files.read 3\n" in out
+    assert "workers.1.queue 2\n" in out
+
+
+def test_socket_comes_from_the_environment(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cli.SOCKET_ENV, daemon.path)
+    assert run_cli(capsys, "ping")[0] == 0
+
+
+def test_missing_socket_exits_3_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "nobody.sock")
+    code, out, err = run_cli(capsys, "--socket", path, "ping")
+    assert (code, out) == (cli.EXIT_NO_DAEMON, "")
+    assert path in err
+    assert "cannot connect" in err
+
+
+def test_server_error_exits_1(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon.fail_with["prefetch"] = ("overloaded", "queue full")
+    code, out, err = run_cli(capsys, "--socket", daemon.path, "warm", "/a")
+    assert (code, out) == (cli.EXIT_FAILED, "")
+    assert "overloaded: queue full" in err
+
+
+def test_timeout_exits_1(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon.delay_s["ping"] = 0.5
+    code, _, err = run_cli(capsys, "--socket", daemon.path, "--timeout", "0.1", "ping")
+    assert code == cli.EXIT_FAILED
+    assert "in time" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["warm"],
+        ["frobnicate"],
+        ["warm", "/a", "--timeout-ms", "10"],  # without --wait
+        ["warm", "/a", "--read-bytes", "-1"],
+        ["warm", "/a", "--read-bytes", "lots"],
+    ],
+)
+def test_usage_errors_exit_2(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    code, out, err = run_cli(capsys, "--socket", daemon.path, *argv)
+    assert (code, out) == (cli.EXIT_USAGE, "")
+    assert err
+    assert daemon.requests("prefetch") == []
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0
+    assert "3 cannot connect" in out
+
+
+def _python_m(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(CLIENT_SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "kvprefetch", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_python_m_kvprefetch(daemon: FakeDaemon, tmp_path: Path) -> None:
+    done = _python_m("--socket", daemon.path, "ping", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["protocol"] == 1
+    done = _python_m("--socket", str(tmp_path / "nobody.sock"), "ping")
+    assert done.returncode == 3
+    assert "nobody.sock" in done.stderr
