@@ -1,0 +1,547 @@
+"""A model profile: how one vLLM deployment hashes blocks and where its connector writes them.
+
+Built from a `[models.NAME]` table of the daemon's configuration, or from the inline
+`hash` and `layout` maps of a KV request; both use the key names of the wire protocol
+(docs/protocol.md, "KV requests"), which are the spec's and the golden vectors':
+
+    [models.qwen3-8b.hash]
+    algo = "sha256_cbor"          # or "sha256" (vLLM's default, pickle)
+    python_hash_seed = "10"       # PYTHONHASHSEED of vLLM; leave out when unset
+    block_size = 64               # vLLM --block-size ("vllm_block_size" also accepted)
+    vllm_version = "0.23.0"       # selects the extra-key era and the unset-seed rule
+    # hash_block_size_tokens = 64 # only for hybrid models whose H is not the gcd
+
+    [models.qwen3-8b.layout]
+    root_dir = "/mnt/kv"          # the connector's shared_storage_path
+    model_name = "Qwen/Qwen3-8B"  # vLLM --model exactly as given
+    tp_size = 1                   # pp_size, pcp_size, dcp_size: default 1
+    connector_block_size_tokens = 512   # default 256, the connector's default
+    kv_cache_groups = [{ block_size = 64, layer_names = ["model.layers.0.self_attn.attn"] }]
+    # fingerprint = "07d7b166f256" | "discover"; fingerprint_fields = {...}
+
+Everything derivable is derived once here (hash block size, blocks per file, per-group
+factors, ranks, fingerprint, NONE_HASH) so a request costs only its hashing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvprefetchd.kv import hashing, layout
+from kvprefetchd.kv.errors import KVRequestError, ProfileError
+from kvprefetchd.kv.hashing import Era, Prompt, Version
+from kvprefetchd.kv.layout import FieldSet
+
+DISCOVER = "discover"
+DEFAULT_CONNECTOR_BLOCK_SIZE_TOKENS = 256  # llmd_fs_backend spec.py default
+FINGERPRINT_RE = re.compile(r"[0-9a-f]{12}")
+
+HASH_KEYS = frozenset(
+    {"algo", "python_hash_seed", "block_size", "vllm_block_size", "vllm_version",
+     "hash_block_size_tokens"}
+)
+LAYOUT_KEYS = frozenset(
+    {"root_dir", "model_name", "tp_size", "pp_size", "pcp_size", "dcp_size", "dtype",
+     "kv_cache_groups", "connector_block_size_tokens", "fingerprint", "fingerprint_fields",
+     "fingerprint_field_set", "parallel_agnostic", "replicated_layout", "canonical_format"}
+)
+GROUP_KEYS = frozenset({"block_size", "layer_names"})
+
+
+@dataclass(frozen=True)
+class HashSpec:
+    algo: str
+    python_hash_seed: str | None
+    block_size: int
+    vllm_version: str | None = None
+    hash_block_size_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    block_size: int
+    layer_names: tuple[str, ...] | None = None  # needed only to compute the fingerprint
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    root_dir: str
+    model_name: str
+    kv_cache_groups: tuple[KVCacheGroup, ...]
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    dtype: str = "auto"
+    connector_block_size_tokens: int = DEFAULT_CONNECTOR_BLOCK_SIZE_TOKENS
+    fingerprint: str | None = None  # 12 hex, "discover", or None: computed
+    fingerprint_fields_json: str | None = None  # canonical JSON of a given field map
+    fingerprint_field_set: FieldSet | None = None  # None: chosen by hash.vllm_version
+    parallel_agnostic: bool = False
+    replicated_layout: bool = False
+    canonical_format: str | int | None = None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated profile and what it implies. Build it with `from_mapping` or `build`.
+
+    `fingerprint` is None only when the layout asks to discover it on disk
+    (kv.discover.discover_fingerprint). `none_hash` is None when the seed cannot be
+    reproduced (`seed_problem` says why): such a profile still serves block_hashes.
+    """
+
+    name: str
+    hash: HashSpec
+    layout: LayoutSpec
+    version: Version | None
+    era: Era | None
+    hash_block_size: int
+    blocks_per_file: int
+    group_factors: tuple[int, ...]
+    rank_count: int
+    field_set: FieldSet
+    fingerprint: str | None
+    none_hash: bytes | None
+    seed_problem: str | None
+
+    # --- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(
+        cls, name: str, table: Mapping[str, Any], *, prefix: str | None = None,
+        strict: bool = True,
+    ) -> Profile:
+        """From a `[models.NAME]` table: {"hash": {...}, "layout": {...}}.
+
+        Errors name the key as `models.NAME.layout.tp_size` (or with `prefix`).
+        `strict` refuses unknown keys (a typo in a config file must not pass silently).
+        """
+        where = f"models.{name}." if prefix is None else prefix
+        table = _mapping(table, where.rstrip(".") or "profile")
+        if strict:
+            _refuse_unknown(table, frozenset({"hash", "layout"}), where)
+        if "hash" not in table:
+            raise ProfileError(f"{where}hash: missing (a map of how vLLM hashes blocks)")
+        if "layout" not in table:
+            raise ProfileError(f"{where}layout: missing (a map of where the connector writes)")
+        return cls.from_parts(
+            name, table["hash"], table["layout"], prefix=where, strict=strict
+        )
+
+    @classmethod
+    def from_parts(
+        cls, name: str, hash_map: Any, layout_map: Any, *, prefix: str = "",
+        strict: bool = False,
+    ) -> Profile:
+        """From separate hash and layout maps (an inline KV request uses this)."""
+        return cls.build(
+            name,
+            _hash_spec(hash_map, f"{prefix}hash", strict),
+            _layout_spec(layout_map, f"{prefix}layout", strict),
+            prefix=prefix,
+        )
+
+    @classmethod
+    def build(
+        cls, name: str, hash_spec: HashSpec, layout_spec: LayoutSpec, *, prefix: str = ""
+    ) -> Profile:
+        """Derive and cross-check everything the two specs imply."""
+        try:
+            return cls._derive(name, hash_spec, layout_spec, prefix)
+        except ValueError as error:
+            if isinstance(error, ProfileError):
+                raise
+            raise ProfileError(f"{prefix}{error}") from None
+
+    @classmethod
+    def _derive(cls, name: str, hs: HashSpec, ls: LayoutSpec, prefix: str) -> Profile:
+        positive = {"hash.block_size": hs.block_size, "layout.tp_size": ls.tp_size,
+                    "layout.pp_size": ls.pp_size, "layout.pcp_size": ls.pcp_size,
+                    "layout.dcp_size": ls.dcp_size,
+                    "layout.connector_block_size_tokens": ls.connector_block_size_tokens,
+                    **{f"layout.kv_cache_groups[{i}].block_size": g.block_size
+                       for i, g in enumerate(ls.kv_cache_groups)}}
+        for key, value in positive.items():
+            if value < 1:
+                raise ProfileError(f"{prefix}{key}: must be a positive integer, got {value}")
+        if not ls.kv_cache_groups:
+            raise ProfileError(f"{prefix}layout.kv_cache_groups: must not be empty")
+        version = None
+        if hs.vllm_version is not None:
+            try:
+                version = hashing.parse_vllm_version(hs.vllm_version)
+            except ValueError as error:
+                raise ProfileError(f"{prefix}hash.vllm_version: {error}") from None
+        if ls.tp_size % ls.dcp_size:
+            raise ProfileError(
+                f"{prefix}layout.dcp_size ({ls.dcp_size}) must divide layout.tp_size "
+                f"({ls.tp_size}): decode context parallelism reuses the tp ranks"
+            )
+        sizes = [group.block_size for group in ls.kv_cache_groups]
+        if len(sizes) == 1 and sizes[0] != hs.block_size:
+            raise ProfileError(
+                f"{prefix}layout.kv_cache_groups[0].block_size ({sizes[0]}) must equal "
+                f"hash.block_size ({hs.block_size}) for a single-group model"
+            )
+        h = hashing.hash_block_size(
+            hs.block_size, sizes, dcp_size=ls.dcp_size, pcp_size=ls.pcp_size,
+            configured=hs.hash_block_size_tokens,
+        )
+        per_file = layout.gpu_blocks_per_file(ls.connector_block_size_tokens, h)
+        factors = layout.group_factors(
+            sizes, hash_block_size=h, blocks_per_file=per_file, dcp_size=ls.dcp_size,
+            pcp_size=ls.pcp_size,
+        )
+        rank_count = len(layout.ranks(
+            ls.tp_size, ls.pp_size, ls.pcp_size, parallel_agnostic=ls.parallel_agnostic
+        ))
+        field_set = ls.fingerprint_field_set or layout.field_set_for(version)
+        none_hash = seed_problem = None
+        try:
+            seed = hashing.seed_string(hs.python_hash_seed, version)
+            none_hash = hashing.none_hash(seed, hs.algo)
+        except KVRequestError as error:
+            seed_problem = error.message
+        profile = cls(
+            name=name, hash=hs, layout=ls, version=version,
+            era=hashing.era_of(version) if version is not None else None,
+            hash_block_size=h, blocks_per_file=per_file, group_factors=factors,
+            rank_count=rank_count, field_set=field_set, fingerprint=None,
+            none_hash=none_hash, seed_problem=seed_problem,
+        )
+        return replace(profile, fingerprint=_choose_fingerprint(profile, prefix))
+
+    # --- what a request needs -------------------------------------------------------
+
+    @property
+    def needs_discovery(self) -> bool:
+        return self.fingerprint is None
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_count)
+
+    def base_path(self, fingerprint: str | None = None) -> str:
+        chosen = fingerprint or self.fingerprint
+        if chosen is None:
+            raise KVRequestError(
+                'layout.fingerprint is "discover" and no fingerprint was discovered yet'
+            )
+        return layout.base_path(self.layout.root_dir, self.layout.model_name, chosen)
+
+    def check_prompt(self, prompt: Prompt, where: str = "prompt") -> None:
+        """Refuse, before any work, a prompt this profile cannot hash exactly."""
+        if self.none_hash is None:
+            raise KVRequestError(self.seed_problem or "hash.python_hash_seed: unusable")
+        if prompt.explicit_extra_keys is None and prompt.has_derived_extras:
+            if self.era is None:
+                raise KVRequestError(
+                    f"{where}: cache_salt, lora and mm_features need hash.vllm_version "
+                    "(the shape of their keys changed across vLLM releases)"
+                )
+            if self.era == "C" and prompt.lora is not None and prompt.lora.path is None:
+                raise KVRequestError(
+                    f"{where}.lora.path: required on vLLM >= 0.31, which hashes the path"
+                )
+
+    def hash_prompt(self, prompt: Prompt) -> list[bytes]:
+        """The prompt's block hashes, each prompt its own chain from NONE_HASH."""
+        self.check_prompt(prompt)
+        assert self.none_hash is not None
+        return hashing.prompt_block_hashes(
+            prompt, hash_block_size=self.hash_block_size, parent=self.none_hash,
+            era=self.era, algo=self.hash.algo,
+        )
+
+    # --- fingerprint ----------------------------------------------------------------
+
+    def fingerprint_fields(self) -> dict[str, Any] | None:
+        """The field map this profile's writer hashes, or None if layer names are unknown."""
+        ls = self.layout
+        groups = []
+        for group in ls.kv_cache_groups:
+            if group.layer_names is None:
+                return None
+            groups.append((group.block_size, group.layer_names))
+        return layout.fingerprint_fields(
+            field_set=self.field_set, model_name=ls.model_name, block_size=self.hash.block_size,
+            blocks_per_file=self.blocks_per_file, tp_size=ls.tp_size, pp_size=ls.pp_size,
+            pcp_size=ls.pcp_size, dcp_size=ls.dcp_size, dtype=ls.dtype, kv_cache_groups=groups,
+            parallel_agnostic=ls.parallel_agnostic, replicated_layout=ls.replicated_layout,
+            canonical_format=ls.canonical_format,
+        )
+
+    def computed_fingerprint(self) -> str | None:
+        """The fingerprint implied by the profile's own fields (None if not computable)."""
+        if self.layout.fingerprint_fields_json is not None:
+            return layout.fingerprint_of_json(self.layout.fingerprint_fields_json)
+        fields = self.fingerprint_fields()
+        return layout.fingerprint_of(fields) if fields is not None else None
+
+
+def _choose_fingerprint(profile: Profile, prefix: str) -> str | None:
+    given = profile.layout.fingerprint
+    from_fields = (
+        layout.fingerprint_of_json(profile.layout.fingerprint_fields_json)
+        if profile.layout.fingerprint_fields_json is not None else None
+    )
+    if given == DISCOVER:
+        if from_fields is not None:
+            raise ProfileError(
+                f'{prefix}layout.fingerprint: "discover" contradicts the given '
+                "layout.fingerprint_fields; give one of them"
+            )
+        return None
+    if given is not None:
+        if from_fields is not None and from_fields != given:
+            raise ProfileError(
+                f"{prefix}layout.fingerprint_fields hash to {from_fields}, not to "
+                f"layout.fingerprint {given}"
+            )
+        return given
+    if from_fields is not None:
+        return from_fields
+    computed = profile.computed_fingerprint()
+    if computed is None:
+        missing = next(
+            i for i, g in enumerate(profile.layout.kv_cache_groups) if g.layer_names is None
+        )
+        raise ProfileError(
+            f"{prefix}layout.kv_cache_groups[{missing}].layer_names: needed to compute the "
+            'folder fingerprint; give them, or layout.fingerprint (12 hex, or "discover")'
+        )
+    return computed
+
+
+# --- reading the maps -------------------------------------------------------------------
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ProfileError(f"{where}: must be a map, got {type(value).__name__}")
+    return value
+
+
+def _refuse_unknown(data: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    unknown = sorted(str(key) for key in data if key not in known)
+    if unknown:
+        raise ProfileError(
+            f"{where}{unknown[0]}: unknown key (known: {', '.join(sorted(known))})"
+        )
+
+
+def _opt_int(data: Mapping[str, Any], key: str, where: str) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise ProfileError(f"{where}.{key}: must be a positive integer, got {value!r}")
+    return value
+
+
+def _int(data: Mapping[str, Any], key: str, where: str, default: int) -> int:
+    value = _opt_int(data, key, where)
+    return default if value is None else value
+
+
+def _req_int(data: Mapping[str, Any], key: str, where: str, what: str) -> int:
+    value = _opt_int(data, key, where)
+    if value is None:
+        raise ProfileError(f"{where}.{key}: missing ({what})")
+    return value
+
+
+def _str(data: Mapping[str, Any], key: str, where: str, *, required: bool = False) -> str | None:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise ProfileError(f"{where}.{key}: missing (a string)")
+        return None
+    if not isinstance(value, str):
+        raise ProfileError(f"{where}.{key}: must be a string, got {type(value).__name__}")
+    if required and not value:
+        raise ProfileError(f"{where}.{key}: must not be empty")
+    return value
+
+
+def _bool(data: Mapping[str, Any], key: str, where: str) -> bool:
+    value = data.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where}.{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _hash_spec(data: Any, where: str, strict: bool) -> HashSpec:
+    data = _mapping(data, where)
+    if strict:
+        _refuse_unknown(data, HASH_KEYS, f"{where}.")
+    algo = _str(data, "algo", where, required=True)
+    assert algo is not None
+    if algo not in hashing.ALGOS:
+        raise ProfileError(
+            f"{where}.algo: {algo!r} is not supported (one of: {', '.join(hashing.ALGOS)}); "
+            "it must equal vLLM's --prefix-caching-hash-algo"
+        )
+    block_size = _opt_int(data, "block_size", where)
+    alias = _opt_int(data, "vllm_block_size", where)
+    if block_size is not None and alias is not None and block_size != alias:
+        raise ProfileError(f"{where}.block_size ({block_size}) and {where}.vllm_block_size "
+                           f"({alias}) disagree")
+    block_size = block_size or alias
+    if block_size is None:
+        raise ProfileError(f"{where}.block_size: missing (vLLM --block-size, in tokens)")
+    seed = _str(data, "python_hash_seed", where)
+    if seed is not None and not _possible_seed(seed):
+        raise ProfileError(
+            f"{where}.python_hash_seed: {seed!r} is not a PYTHONHASHSEED CPython starts with "
+            '("random" or a decimal integer up to 4294967295; leave it out when unset)'
+        )
+    return HashSpec(
+        algo=algo,
+        python_hash_seed=seed,
+        block_size=block_size,
+        vllm_version=_str(data, "vllm_version", where),
+        hash_block_size_tokens=_opt_int(data, "hash_block_size_tokens", where),
+    )
+
+
+def _possible_seed(seed: str) -> bool:
+    """CPython refuses to start with any other PYTHONHASHSEED (checked on 3.11, §2.2); an
+    empty one counts as unset for CPython, but vLLM then hashes the empty string."""
+    if seed in ("", "random"):
+        return True
+    return seed.isascii() and seed.isdigit() and int(seed) <= 0xFFFF_FFFF
+
+
+def _layout_spec(data: Any, where: str, strict: bool) -> LayoutSpec:
+    data = _mapping(data, where)
+    if strict:
+        _refuse_unknown(data, LAYOUT_KEYS, f"{where}.")
+    root_dir = _str(data, "root_dir", where, required=True)
+    model_name = _str(data, "model_name", where, required=True)
+    assert root_dir is not None and model_name is not None
+    if not root_dir.startswith("/"):
+        raise ProfileError(f"{where}.root_dir: must be an absolute path, got {root_dir!r}")
+    groups = _groups(data.get("kv_cache_groups"), f"{where}.kv_cache_groups", strict)
+    dtype = _str(data, "dtype", where) or "auto"
+    dtype = dtype.removeprefix("torch.")  # str(torch.bfloat16) minus "torch.", §5.3
+    fingerprint = _str(data, "fingerprint", where)
+    if fingerprint is not None and fingerprint != DISCOVER and not FINGERPRINT_RE.fullmatch(
+        fingerprint
+    ):
+        raise ProfileError(
+            f'{where}.fingerprint: must be 12 lower-case hex digits or "discover", '
+            f"got {fingerprint!r}"
+        )
+    fields_json = None
+    if data.get("fingerprint_fields") is not None:
+        fields = _mapping(data["fingerprint_fields"], f"{where}.fingerprint_fields")
+        try:
+            fields_json = layout.canonical_json(fields)
+        except (TypeError, ValueError) as error:
+            raise ProfileError(f"{where}.fingerprint_fields: not JSON data ({error})") from None
+    field_set = data.get("fingerprint_field_set")
+    if field_set is not None and field_set not in layout.FIELD_SETS:
+        raise ProfileError(
+            f"{where}.fingerprint_field_set: must be one of {', '.join(layout.FIELD_SETS)}, "
+            f"got {field_set!r}"
+        )
+    canonical_format = data.get("canonical_format")
+    if canonical_format is not None and (
+        type(canonical_format) not in (str, int)
+    ):
+        raise ProfileError(f"{where}.canonical_format: must be a string or an integer")
+    sizes = {key: _int(data, key, where, 1) for key in ("tp_size", "pp_size", "pcp_size",
+                                                          "dcp_size")}
+    return LayoutSpec(
+        root_dir=root_dir,
+        model_name=model_name,
+        kv_cache_groups=groups,
+        dtype=dtype,
+        connector_block_size_tokens=_int(
+            data, "connector_block_size_tokens", where, DEFAULT_CONNECTOR_BLOCK_SIZE_TOKENS
+        ),
+        fingerprint=fingerprint,
+        fingerprint_fields_json=fields_json,
+        fingerprint_field_set=field_set,
+        parallel_agnostic=_bool(data, "parallel_agnostic", where),
+        replicated_layout=_bool(data, "replicated_layout", where),
+        canonical_format=canonical_format,
+        **sizes,
+    )
+
+
+def _groups(value: Any, where: str, strict: bool) -> tuple[KVCacheGroup, ...]:
+    if value is None:
+        raise ProfileError(f"{where}: missing (one {{block_size, layer_names}} per group)")
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes) or not value:
+        raise ProfileError(f"{where}: must be a non-empty array of {{block_size, layer_names}}")
+    groups = []
+    for index, item in enumerate(value):
+        at = f"{where}[{index}]"
+        item = _mapping(item, at)
+        if strict:
+            _refuse_unknown(item, GROUP_KEYS, f"{at}.")
+        block_size = _req_int(item, "block_size", at, "the group's block size in tokens")
+        names = item.get("layer_names")
+        if names is not None:
+            if (not isinstance(names, Sequence) or isinstance(names, str | bytes)
+                    or not all(isinstance(n, str) for n in names)):
+                raise ProfileError(f"{at}.layer_names: must be an array of strings")
+            names = tuple(names)
+        groups.append(KVCacheGroup(block_size=block_size, layer_names=names))
+    return tuple(groups)
+
+
+# --- migrating from the llm-d router PR #1156 plugin (§6.1) -----------------------------
+
+PR1156_SIZE_KEYS = ("kvCacheGroupCount", "gpuBlocksPerFile", "tpSize", "ppSize", "pcpSize",
+                    "dcpSize")
+
+
+def pr1156_path_base(params: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, bool]:
+    """The PR plugin's `kvFilePathBase` after its own defaulting, and its IsSet().
+
+    Counts below 1 (or absent) become 1; IsSet needs non-empty rootDir, modelName and
+    digest. A missing object stays None (path building off).
+    """
+    if params is None:
+        return None, False
+    base: dict[str, Any] = {
+        "rootDir": params.get("rootDir") or "",
+        "modelName": params.get("modelName") or "",
+        "digest": params.get("digest") or "",
+    }
+    for key in PR1156_SIZE_KEYS:
+        value = params.get(key)
+        base[key] = value if type(value) is int and value >= 1 else 1
+    is_set = bool(base["rootDir"] and base["modelName"] and base["digest"])
+    return base, is_set
+
+
+def layout_from_pr1156(params: Mapping[str, Any], block_size: int) -> dict[str, Any]:
+    """A `layout` map equivalent to a PR #1156 `kvFilePathBase` and its producer's
+    blockSizeTokens, WITHOUT the PR's gaps: ranks stop at tp*pp*pcp and the hash block
+    size includes dcp*pcp (§6.5). The PR's `digest` is the folder fingerprint.
+    """
+    base, is_set = pr1156_path_base(params)
+    if base is None or not is_set:
+        raise ProfileError("kvFilePathBase: rootDir, modelName and digest are all required")
+    cp = base["dcpSize"] * base["pcpSize"]
+    groups = [{"block_size": block_size}] * base["kvCacheGroupCount"]
+    return {
+        "root_dir": base["rootDir"],
+        "model_name": base["modelName"],
+        "fingerprint": base["digest"],
+        "tp_size": base["tpSize"],
+        "pp_size": base["ppSize"],
+        "pcp_size": base["pcpSize"],
+        "dcp_size": base["dcpSize"],
+        "kv_cache_groups": groups,
+        "connector_block_size_tokens": base["gpuBlocksPerFile"] * block_size * cp,
+    }
