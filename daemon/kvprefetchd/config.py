@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvprefetchd.kv import KVError, Profile
+
 ENGINES = ("auto", "io_uring", "fadvise", "pread")
 WARM_MODES = ("read", "advise")
 RESIDENCY_RULES = ("auto", "tier", "pagecache", "off")
@@ -75,6 +77,11 @@ class Config:
     max_path_bytes: int = 4096
     max_output_bytes: int = 8 * MIB  # replies buffered for one slow client before it is cut off
     max_connections: int = 1024
+    models: Mapping[str, Profile] = field(default_factory=dict)
+    allow_inline_layouts: bool = True  # prefetch_blocks with inline hash+layout maps
+    max_prompts: int = 64
+    max_tokens: int = 1 << 20
+    stale_streak: int = 256  # consecutive missing files before a profile is checked for staleness
     drain_seconds: float = 3.0  # plus at most 1 s to stop workers: out within 5 s
     log_level: str = "info"
 
@@ -104,6 +111,9 @@ _INT_KEYS = {
     "max_path_bytes": (16, 65536),
     "max_output_bytes": (64 * KIB, 1 << 32),
     "max_connections": (1, 65536),
+    "max_prompts": (1, 65536),
+    "max_tokens": (1, 1 << 28),
+    "stale_streak": (1, 1 << 30),
 }
 _CHOICE_KEYS = {
     "engine": ENGINES,
@@ -151,10 +161,20 @@ def _check(key: str, value: Any) -> Any:
                 raise ConfigError(f"residency_by_root.{root}: {rule!r} is not a residency rule")
             rules[os.path.normpath(root)] = rule
         return rules
-    if key == "fadv_random":
+    if key in ("fadv_random", "allow_inline_layouts"):
         if not isinstance(value, bool):
-            raise ConfigError("fadv_random: expected true or false")
+            raise ConfigError(f"{key}: expected true or false")
         return value
+    if key == "models":
+        if not isinstance(value, Mapping):
+            raise ConfigError("models: expected tables [models.NAME] with hash and layout")
+        profiles = {}
+        for name, table in value.items():
+            try:
+                profiles[name] = Profile.from_mapping(name, table, strict=True)
+            except KVError as error:
+                raise ConfigError(str(error)) from error
+        return profiles
     if key == "drain_seconds":
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
             raise ConfigError("drain_seconds: expected a number of seconds in [0, 60]")
@@ -173,6 +193,13 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
     config = Config(**merged)
     if config.read_bytes > config.max_read_bytes:
         raise ConfigError("read_bytes: larger than max_read_bytes")
+    for name, profile in config.models.items():
+        root_dir = os.path.normpath(profile.layout.root_dir)
+        if not any(root_dir == r or root_dir.startswith(r.rstrip("/") + "/") for r in config.roots):
+            raise ConfigError(
+                f"models.{name}.layout.root_dir: {profile.layout.root_dir} is not under an "
+                "allowed root, so none of its files could be warmed"
+            )
     unknown_roots = set(config.residency_by_root) - set(config.roots)
     if unknown_roots:
         raise ConfigError(f"residency_by_root: {sorted(unknown_roots)} not in roots")

@@ -25,7 +25,7 @@ FORBIDDEN = "forbidden"
 OVERLOADED = "overloaded"
 INTERNAL = "internal"
 
-OPS = ("ping", "prefetch", "stats")
+OPS = ("ping", "prefetch", "prefetch_blocks", "resolve", "stats")
 
 # Per-file outcomes, in the order the books list them.
 OUTCOMES = ("read", "resident", "missing", "rejected", "failed", "expired")
@@ -156,18 +156,18 @@ def parse_request(message: dict[str, Any]) -> Request:
 
 
 @dataclass(frozen=True)
-class PrefetchArgs:
-    paths: list[str | bytes]
+class WarmOptions:
+    """How a prefetch or prefetch_blocks request wants its files warmed and answered."""
+
     wait: bool
     read_bytes: int
     timeout_ms: int | None
 
 
-def parse_prefetch(request: Request, default_read_bytes: int, max_read_bytes: int) -> PrefetchArgs:
+def parse_warm_options(
+    request: Request, default_read_bytes: int, max_read_bytes: int
+) -> WarmOptions:
     body, rid = request.body, request.request_id
-    paths = body.get("paths")
-    if not isinstance(paths, list):
-        raise RequestError(BAD_REQUEST, "paths: expected an array of absolute paths", rid)
     wait = body.get("wait", False)
     if not isinstance(wait, bool):
         raise RequestError(BAD_REQUEST, "wait: expected a boolean", rid)
@@ -185,7 +185,16 @@ def parse_prefetch(request: Request, default_read_bytes: int, max_read_bytes: in
         isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 0
     ):
         raise RequestError(BAD_REQUEST, "timeout_ms: expected a non-negative integer", rid)
-    return PrefetchArgs(paths, wait, read_bytes, timeout_ms)
+    return WarmOptions(wait, read_bytes, timeout_ms)
+
+
+def parse_paths(request: Request) -> list[Any]:
+    paths = request.body.get("paths")
+    if not isinstance(paths, list):
+        raise RequestError(
+            BAD_REQUEST, "paths: expected an array of absolute paths", request.request_id
+        )
+    return paths
 
 
 def ok_reply(request_id: int, **fields: Any) -> dict[str, Any]:

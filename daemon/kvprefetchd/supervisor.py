@@ -23,18 +23,20 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import kvprefetchd
+from kvprefetchd import kv
 from kvprefetchd.books import Books, PendingRequest
 from kvprefetchd.channel import BOOT_FAILED, DONE, READY, WARM, ChannelReader, pack
 from kvprefetchd.config import Config
 from kvprefetchd.confine import Roots
 from kvprefetchd.engines import engine_candidates
 from kvprefetchd.engines.base import EngineSettings
+from kvprefetchd.kvservice import KVService
 from kvprefetchd.protocol import (
-    BAD_REQUEST,
     INTERNAL,
     OVERLOADED,
     PROTOCOL_VERSION,
@@ -42,11 +44,13 @@ from kvprefetchd.protocol import (
     Limits,
     Request,
     RequestError,
+    WarmOptions,
     decode_payload,
     error_reply,
     ok_reply,
-    parse_prefetch,
+    parse_paths,
     parse_request,
+    parse_warm_options,
 )
 from kvprefetchd.residency import RootRule, choose_rule
 from kvprefetchd.server import Connection, listen_unix
@@ -96,6 +100,12 @@ class Supervisor:
             max_open_files=config.max_open_files,
         )
         self.books = Books(config.worker_count)
+        self.kv = KVService(
+            config.models,
+            kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens),
+            allow_inline=config.allow_inline_layouts,
+            stale_streak=config.stale_streak,
+        )
         self.workers: list[WorkerHandle | None] = [None] * config.worker_count
         self.selector = selectors.DefaultSelector()
         self.listener = listener
@@ -436,23 +446,70 @@ class Supervisor:
             connection.send(ok_reply(request.request_id, stats=self.stats()))
         elif request.op == "prefetch":
             self.prefetch(connection, request)
+        elif request.op == "prefetch_blocks":
+            self.prefetch_blocks(connection, request)
+        elif request.op == "resolve":
+            self.resolve(connection, request)
 
     def prefetch(self, connection: Connection, request: Request) -> None:
-        args = parse_prefetch(request, self.config.read_bytes, self.config.max_read_bytes)
-        if len(args.paths) > self.config.max_paths_per_request:
+        options = self.warm_options(request)
+        self.warm(connection, request, parse_paths(request), options)
+
+    def prefetch_blocks(self, connection: Connection, request: Request) -> None:
+        options = self.warm_options(request)
+        profile, resolution = self.kv.resolve(request.body, request.request_id, for_prefetch=True)
+
+        def feed_stale_detector(done: PendingRequest) -> None:
+            self.kv.record(profile, resolution.fingerprint, done.outcomes)
+
+        self.warm(
+            connection, request, resolution.paths, options,
+            extra={"files": len(resolution.paths)}, on_done=feed_stale_detector,
+        )
+
+    def resolve(self, connection: Connection, request: Request) -> None:
+        _, resolution = self.kv.resolve(request.body, request.request_id, for_prefetch=False)
+        connection.send(
+            ok_reply(
+                request.request_id,
+                block_hashes=resolution.block_hashes_hex(),
+                paths=resolution.paths,
+                fingerprint=resolution.fingerprint,
+            )
+        )
+
+    def warm_options(self, request: Request) -> WarmOptions:
+        return parse_warm_options(request, self.config.read_bytes, self.config.max_read_bytes)
+
+    def warm(
+        self,
+        connection: Connection,
+        request: Request,
+        paths: list[Any],
+        options: WarmOptions,
+        *,
+        extra: dict[str, Any] | None = None,
+        on_done: Callable[[PendingRequest], None] | None = None,
+    ) -> None:
+        """Queue the files; reply now (fire and forget) or once they are settled (`wait`)."""
+        if len(paths) > self.config.max_paths_per_request:
             raise RequestError(
-                BAD_REQUEST,
-                f"paths: {len(args.paths)} exceeds the limit of "
-                f"{self.config.max_paths_per_request}",
+                TOO_LARGE,
+                f"paths: {len(paths)} exceeds the limit of {self.config.max_paths_per_request}",
                 request.request_id,
             )
+        extra = extra or {}
         now = time.monotonic()
         pending: PendingRequest | None = None
-        if args.wait:
-            timeout_ms = args.timeout_ms
+        if options.wait or on_done is not None:
+            timeout_ms = options.timeout_ms if options.wait else None
             deadline = now + timeout_ms / 1000.0 if timeout_ms is not None else None
 
             def reply_to(done: PendingRequest, connection: Connection = connection) -> None:
+                if on_done is not None:
+                    on_done(done)
+                if not options.wait:
+                    return
                 connection.send(
                     ok_reply(
                         done.request_id,
@@ -461,16 +518,21 @@ class Supervisor:
                         rejected=done.rejected,
                         outcomes=done.outcome_map(),
                         elapsed_us=int((time.monotonic() - done.started) * 1e6),
+                        **extra,
                     )
                 )
                 self.update_connection(connection)
 
             pending = PendingRequest(request.request_id, reply_to, now, deadline)
-        accepted, dropped, rejected = self.enqueue(args.paths, args.read_bytes, pending)
-        if pending is None:
+        accepted, dropped, rejected = self.enqueue(paths, options.read_bytes, pending)
+        if not options.wait:
             connection.send(
-                ok_reply(request.request_id, accepted=accepted, dropped=dropped, rejected=rejected)
+                ok_reply(
+                    request.request_id,
+                    accepted=accepted, dropped=dropped, rejected=rejected, **extra,
+                )
             )
+        if pending is None:
             return
         if pending.outstanding == 0:
             self.answer(pending)
@@ -549,6 +611,7 @@ class Supervisor:
                 "in_flight": sum(len(open_) for open_ in self.books.open),
             },
             "bytes_read": self.books.bytes_read,
+            "kv": self.kv.stats(),
             "worker_restarts": self.worker_restarts,
             "connections": len(self.connections),
             "roots": [

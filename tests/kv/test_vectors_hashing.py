@@ -9,8 +9,8 @@ from typing import Any
 
 import cbor2
 import pytest
-from kv_vectors import one_group_layout, typed, vector, versions_of
 
+from kv_vectors import one_group_layout, typed, vector, versions_of
 from kvprefetchd import kv
 from kvprefetchd.kv import hashing
 

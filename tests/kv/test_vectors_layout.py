@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 import pytest
-from kv_vectors import vector, vector_files
 
+from kv_vectors import vector, vector_files
 from kvprefetchd import kv
 from kvprefetchd.kv import layout
 from kvprefetchd.kv.profile import layout_from_pr1156, pr1156_path_base

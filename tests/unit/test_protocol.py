@@ -17,8 +17,9 @@ from kvprefetchd.protocol import (
     RequestError,
     decode_payload,
     encode_frame,
-    parse_prefetch,
+    parse_paths,
     parse_request,
+    parse_warm_options,
 )
 
 LIMITS = Limits(max_frame_bytes=1 << 20, max_paths=1000, max_path_bytes=4096)
@@ -108,11 +109,13 @@ def test_envelope_errors(message: dict[str, object], code: str) -> None:
 def test_prefetch_field_errors(fields: dict[str, object]) -> None:
     request = parse_request({"v": 1, "id": 9, "op": "prefetch", **fields})
     with pytest.raises(RequestError) as caught:
-        parse_prefetch(request, 4096, 1 << 20)
+        parse_paths(request)
+        parse_warm_options(request, 4096, 1 << 20)
     assert caught.value.code == BAD_REQUEST and caught.value.request_id == 9
 
 
 def test_prefetch_defaults() -> None:
-    args = parse_prefetch(parse_request({"v": 1, "id": 1, "op": "prefetch", "paths": ["/x"]}),
-                          4096, 1 << 20)
-    assert (args.wait, args.read_bytes, args.timeout_ms) == (False, 4096, None)
+    request = parse_request({"v": 1, "id": 1, "op": "prefetch", "paths": ["/x"]})
+    options = parse_warm_options(request, 4096, 1 << 20)
+    assert (options.wait, options.read_bytes, options.timeout_ms) == (False, 4096, None)
+    assert parse_paths(request) == ["/x"]

@@ -9,7 +9,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-VECTORS = Path(__file__).resolve().parent.parent / "vectors"
+VECTORS = Path(__file__).resolve().parent / "vectors"
 VERSION_RE = re.compile(r"\d+\.\d+\.\d+")
 
 

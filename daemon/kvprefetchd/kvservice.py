@@ -1,0 +1,114 @@
+"""The supervisor's side of the KV ops: profiles, fingerprint memory, stale detection.
+
+`kv/` is pure; this holds the state around it that lives as long as the daemon:
+the configured model profiles, the fingerprints discovered on disk (a directory
+listing is paid once per profile, not once per request), and the detector that
+notices when a profile's files are all missing while a sibling fingerprint exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvprefetchd import kv
+from kvprefetchd.protocol import BAD_REQUEST, RequestError
+
+log = logging.getLogger("kvprefetchd.kv")
+
+# A discovered fingerprint is looked up again after this long, so a model
+# redeployed with a new fingerprint is picked up without a restart.
+REDISCOVER_SECONDS = 60.0
+
+
+class KVService:
+    def __init__(
+        self,
+        profiles: Mapping[str, kv.Profile],
+        limits: kv.Limits,
+        *,
+        allow_inline: bool,
+        stale_streak: int,
+    ) -> None:
+        self.profiles = profiles
+        self.limits = limits
+        self.allow_inline = allow_inline
+        self.stale = kv.StaleDetector(streak=stale_streak)
+        self._discovered: dict[kv.Profile, tuple[float, str]] = {}
+        self.resolved_requests = 0
+        self.resolve_seconds = 0.0
+
+    def resolve(
+        self, body: Mapping[str, Any], request_id: int, *, for_prefetch: bool
+    ) -> tuple[kv.Profile, kv.Resolution]:
+        """Parse, hash and lay out a KV request; errors become protocol error replies."""
+        started = time.perf_counter()
+        try:
+            request = kv.parse_kv_request(
+                body, self.profiles, self.limits,
+                allow_inline=self.allow_inline or not for_prefetch,
+            )
+            fingerprint = self.discovered(request.profile)
+            resolution = kv.resolve(request, fingerprint=fingerprint)
+        except kv.KVError as error:
+            raise RequestError(error.code, str(error), request_id) from error
+        elapsed = time.perf_counter() - started
+        self.resolved_requests += 1
+        self.resolve_seconds += elapsed
+        log.debug(
+            "resolved %s: %d prompt(s), %d file(s) in %.3f ms",
+            request.profile.name,
+            len(resolution.block_hashes),
+            len(resolution.paths),
+            elapsed * 1e3,
+        )
+        return request.profile, resolution
+
+    def discovered(self, profile: kv.Profile) -> str | None:
+        """The fingerprint found on disk for a `discover` profile (cached), else None."""
+        if not profile.needs_discovery:
+            return None
+        now = time.monotonic()
+        cached = self._discovered.get(profile)
+        if cached is not None and now - cached[0] < REDISCOVER_SECONDS:
+            return cached[1]
+        try:
+            found = kv.discover_fingerprint(profile).fingerprint
+        except kv.DiscoveryError as error:
+            raise RequestError(BAD_REQUEST, f"fingerprint discovery: {error}") from error
+        if cached is None or cached[1] != found:
+            log.info("profile %s: discovered fingerprint %s", profile.name, found)
+        self._discovered[profile] = (now, found)
+        return found
+
+    def record(self, profile: kv.Profile, fingerprint: str, outcomes: Mapping[str, int]) -> None:
+        """Feed one request's outcomes to the stale detector; warn once it is sure."""
+        key = profile.name if profile.name != "inline" else f"inline:{fingerprint}"
+        present = outcomes.get("read", 0) + outcomes.get("resident", 0)
+        missing = outcomes.get("missing", 0)
+        if not self.stale.record(key, fingerprint, missing=missing, present=present):
+            return
+        try:
+            candidates = kv.scan(profile)
+        except kv.DiscoveryError as error:
+            log.debug("stale check of %s: %s", key, error)
+            return
+        self.stale.observe(key, candidates)
+        if self.stale.stale(key):
+            log.warning(
+                "profile %s: every file under fingerprint %s is missing; the folder on disk "
+                "is likely %s (fix layout.fingerprint, or use \"discover\")",
+                key,
+                fingerprint,
+                self.stale.likely_fingerprint(key),
+            )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "profiles": sorted(self.profiles),
+            "resolved_requests": self.resolved_requests,
+            "resolve_ms_total": round(self.resolve_seconds * 1e3, 3),
+            "stale": self.stale.report(),
+        }
