@@ -10,7 +10,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvprefetchd import __version__
-from kvprefetchd.config import ENGINES, LOG_LEVELS, WARM_MODES, ConfigError, build_config, load_file
+from kvprefetchd.config import (
+    ENGINES,
+    LOG_LEVELS,
+    WARM_MODES,
+    Config,
+    ConfigError,
+    build_config,
+    load_file,
+)
 from kvprefetchd.engines import NoEngine
 from kvprefetchd.server import SocketInUse
 from kvprefetchd.supervisor import HaltError, Supervisor
@@ -65,16 +73,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if value is not None
     }
+    def read_config() -> Config:
+        return build_config(load_file(args.config) if args.config else {}, overrides)
+
     try:
-        file_values = load_file(args.config) if args.config else {}
-        config = build_config(file_values, overrides)
+        config = read_config()
     except ConfigError as error:
         print(f"kvprefetchd: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config.log_level)
     log = logging.getLogger("kvprefetchd")
     try:
-        return Supervisor(config).run()
+        return Supervisor(config, reload_from=read_config).run()
     except (HaltError, NoEngine, SocketInUse) as error:
         log.error("%s", error)
         return EXIT_HALTED

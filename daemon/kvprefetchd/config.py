@@ -206,6 +206,25 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
     return config
 
 
+# Keys a running daemon cannot take over on SIGHUP: they are baked into the
+# listening socket or into the forked workers. A reload keeps their old values
+# and says so; a restart applies them.
+RESTART_KEYS = frozenset({
+    "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
+    "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
+    "max_open_files", "dedup_ttl_ms", "dedup_entries",
+})
+
+
+def merge_reload(old: Config, new: Config) -> tuple[Config, list[str]]:
+    """The config a reload puts in force, and the changed keys it had to leave as they were."""
+    held = [
+        key for key in sorted(RESTART_KEYS) if getattr(old, key) != getattr(new, key)
+    ]
+    merged = dataclasses.replace(new, **{key: getattr(old, key) for key in held})
+    return merged, held
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML file; errors name the file so the operator knows where to look."""
     try:

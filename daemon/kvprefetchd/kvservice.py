@@ -40,6 +40,15 @@ class KVService:
         self.resolved_requests = 0
         self.resolve_seconds = 0.0
 
+    def reconfigure(
+        self, profiles: Mapping[str, kv.Profile], limits: kv.Limits, *, allow_inline: bool
+    ) -> None:
+        """New profiles and limits on reload; discovered fingerprints are looked up afresh."""
+        self.profiles = profiles
+        self.limits = limits
+        self.allow_inline = allow_inline
+        self._discovered.clear()
+
     def resolve(
         self, body: Mapping[str, Any], request_id: int, *, for_prefetch: bool
     ) -> tuple[kv.Profile, kv.Resolution]:

@@ -66,7 +66,7 @@ class FrameReader:
     """
 
     def __init__(self, max_frame_bytes: int) -> None:
-        self._max = max_frame_bytes
+        self.max_frame_bytes = max_frame_bytes
         self._buffer = bytearray()
         self._skip = 0
 
@@ -83,7 +83,7 @@ class FrameReader:
             if len(self._buffer) < HEADER.size:
                 return
             (length,) = HEADER.unpack_from(self._buffer)
-            if length > self._max:
+            if length > self.max_frame_bytes:
                 del self._buffer[: HEADER.size]
                 self._skip = length
                 yield Frame(None, length)

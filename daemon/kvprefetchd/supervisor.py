@@ -31,7 +31,7 @@ import kvprefetchd
 from kvprefetchd import kv
 from kvprefetchd.books import Books, PendingRequest
 from kvprefetchd.channel import BOOT_FAILED, DONE, READY, WARM, ChannelReader, pack
-from kvprefetchd.config import Config
+from kvprefetchd.config import Config, ConfigError, merge_reload
 from kvprefetchd.confine import Roots
 from kvprefetchd.engines import engine_candidates
 from kvprefetchd.engines.base import EngineSettings
@@ -81,8 +81,14 @@ class WorkerHandle:
 
 
 class Supervisor:
-    def __init__(self, config: Config, listener: socket.socket | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        listener: socket.socket | None = None,
+        reload_from: Callable[[], Config] | None = None,
+    ) -> None:
         self.config = config
+        self.reload_from = reload_from
         self.roots = Roots(config.roots, config.max_path_bytes)
         self.limits = Limits(
             config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
@@ -179,7 +185,46 @@ class Supervisor:
             elif signum == signal.SIGCHLD:
                 self.reap_workers()
             elif signum == signal.SIGHUP:
-                log.info("SIGHUP: configuration reload is not supported yet; ignored")
+                self.reload()
+
+    def reload(self) -> None:
+        """Re-read the configuration; an invalid file changes nothing and is logged.
+
+        Queued work, connections and the socket are untouched; keys baked into the
+        socket or the workers keep their old values until a restart (logged).
+        """
+        if self.reload_from is None:
+            log.warning("SIGHUP: no configuration source to reload from")
+            return
+        try:
+            new = self.reload_from()
+        except ConfigError as error:
+            log.error("reload refused, the old configuration stays in force: %s", error)
+            self.requests["reload_refused"] += 1
+            return
+        merged, held = merge_reload(self.config, new)
+        if held:
+            log.warning(
+                "reload: keys that need a restart keep their old values: %s", ", ".join(held)
+            )
+        self.apply_config(merged)
+        self.requests["reloads"] += 1
+        log.info("configuration reloaded")
+
+    def apply_config(self, config: Config) -> None:
+        self.config = config
+        self.limits = Limits(
+            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
+        )
+        self.kv.reconfigure(
+            config.models,
+            kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens),
+            allow_inline=config.allow_inline_layouts,
+        )
+        logging.getLogger().setLevel(config.log_level.upper())
+        for connection in self.connections.values():
+            connection.frames.max_frame_bytes = config.max_frame_bytes
+            connection.max_output_bytes = config.max_output_bytes
 
     # ---- workers ---------------------------------------------------------------------------
 
