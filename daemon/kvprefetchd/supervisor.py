@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 import kvprefetchd
 from kvprefetchd import kv
 from kvprefetchd.books import Books, PendingRequest
@@ -60,6 +62,21 @@ from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
 log = logging.getLogger("kvprefetchd")
 
 BOOT_TIMEOUT = 20.0
+
+
+def process_figures(pid: int) -> dict[str, Any]:
+    """RSS, CPU seconds and open fds of a process, for stats and metrics (psutil)."""
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            cpu = process.cpu_times()
+            return {
+                "rss_bytes": process.memory_info().rss,
+                "cpu_seconds": round(cpu.user + cpu.system, 3),
+                "open_fds": process.num_fds(),
+            }
+    except psutil.Error:
+        return {}
 
 
 class HaltError(RuntimeError):
@@ -658,6 +675,7 @@ class Supervisor:
             "bytes_read": self.books.bytes_read,
             "kv": self.kv.stats(),
             "worker_restarts": self.worker_restarts,
+            "supervisor": {"pid": os.getpid(), **process_figures(os.getpid())},
             "connections": len(self.connections),
             "roots": [
                 {"root": r.root, "fstype": r.fstype, "rule": r.rule, "why": r.why}
@@ -668,6 +686,7 @@ class Supervisor:
 
     def _worker_stats(self, handle: WorkerHandle) -> dict[str, Any]:
         return {
+            **process_figures(handle.pid),
             "index": handle.index,
             "pid": handle.pid,
             "ready": handle.ready,

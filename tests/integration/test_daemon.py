@@ -345,3 +345,12 @@ def test_advise_mode_confirms_heads_resident(daemon_factory: Any) -> None:
     assert reply["outcomes"]["read"] == 20, reply
     warm = sum(resident_bytes(f, MIB) for f in files)
     assert warm >= 0.99 * 20 * MIB
+
+
+def test_stats_carry_process_figures_per_worker(daemon: Daemon) -> None:
+    stats = daemon.call("stats")["stats"]
+    for worker in stats["workers"]:
+        assert worker["rss_bytes"] > 1 << 20 and worker["open_fds"] >= 3
+        assert worker["cpu_seconds"] >= 0
+    assert stats["supervisor"]["pid"] == daemon.process.pid
+    assert stats["supervisor"]["open_fds"] >= 4
