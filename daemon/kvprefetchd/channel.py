@@ -6,7 +6,7 @@ request envelope: both ends are ours. Message shapes, as msgpack arrays:
   supervisor -> worker   ["warm", [[ticket, root_index, relative, want], ...]]
   worker -> supervisor   ["ready", {"engine": name, "pid": pid}]
                          ["boot_failed", reason]
-                         ["done", [[ticket, outcome, bytes], ...], {counter: delta}]
+                         ["done", [[ticket, outcome, bytes, micros], ...], {counter: delta}]
 """
 
 from __future__ import annotations

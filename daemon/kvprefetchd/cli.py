@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvprefetchd import __version__
+from kvprefetchd import __version__, systemd
 from kvprefetchd.config import (
     ENGINES,
     LOG_LEVELS,
@@ -51,7 +50,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def setup_logging(level: str) -> None:
     """One line per event; no timestamps under systemd, whose journal adds its own."""
-    under_journal = bool(os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"))
+    under_journal = systemd.under_systemd()
     fmt = "%(levelname)s %(name)s: %(message)s"
     if not under_journal:
         fmt = "%(asctime)s " + fmt
@@ -59,6 +58,11 @@ def setup_logging(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["install-systemd"]:
+        from kvprefetchd import install
+
+        return install.main(argv[1:])
     args = parse_args(argv)
     overrides: dict[str, Any] = {
         key: value

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetchd.kv import KVError, Profile
+from kvprefetchd.metrics import MetricsAddressError, parse_metrics_address
 
 ENGINES = ("auto", "io_uring", "fadvise", "pread")
 WARM_MODES = ("read", "advise")
@@ -84,6 +85,7 @@ class Config:
     stale_streak: int = 256  # consecutive missing files before a profile is checked for staleness
     drain_seconds: float = 3.0  # plus at most 1 s to stop workers: out within 5 s
     log_level: str = "info"
+    metrics: str = ""
 
     @property
     def worker_count(self) -> int:
@@ -175,6 +177,16 @@ def _check(key: str, value: Any) -> Any:
             except KVError as error:
                 raise ConfigError(str(error)) from error
         return profiles
+    if key == "metrics":
+        if not isinstance(value, str):
+            raise ConfigError("metrics: expected an address string such as 127.0.0.1:9464")
+        if value == "":
+            return value
+        try:
+            parse_metrics_address(value)
+        except MetricsAddressError as error:
+            raise ConfigError(str(error)) from error
+        return value
     if key == "drain_seconds":
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
             raise ConfigError("drain_seconds: expected a number of seconds in [0, 60]")
@@ -212,7 +224,7 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
 RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
-    "max_open_files", "dedup_ttl_ms", "dedup_entries",
+    "max_open_files", "dedup_ttl_ms", "dedup_entries", "metrics",
 })
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 import kvprefetchd
-from kvprefetchd import kv
+from kvprefetchd import kv, metrics, systemd
 from kvprefetchd.books import Books, PendingRequest
 from kvprefetchd.channel import BOOT_FAILED, DONE, READY, WARM, ChannelReader, pack
 from kvprefetchd.config import Config, ConfigError, merge_reload
@@ -40,6 +40,7 @@ from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.kvservice import KVService
 from kvprefetchd.protocol import (
     INTERNAL,
+    OPS,
     OVERLOADED,
     PROTOCOL_VERSION,
     TOO_LARGE,
@@ -138,9 +139,15 @@ class Supervisor:
         self.signals: list[int] = []
         self.stopping = False
         self.started = time.monotonic()
-        self.requests: Counter[str] = Counter()
+        self.requests: Counter[str] = Counter()  # "op:ok", "op:error_CODE", events
+        self.ack_latency = metrics.Histograms(metrics.ACK_BUCKETS)
+        self.wait_latency = metrics.Histogram(metrics.WAIT_BUCKETS)
+        self.file_latency = metrics.Histogram(metrics.FILE_BUCKETS)
         self.worker_restarts = 0
         self._wakeup_r, self._wakeup_w = socket.socketpair()
+        self.metrics: metrics.MetricsServer | None = None
+        self.watchdog = systemd.Watchdog.from_environment()
+        self.socket_passed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -157,12 +164,24 @@ class Supervisor:
         )
         self.install_signals()
         if self.listener is None:
-            self.listener = listen_unix(self.config.socket, self.config.socket_mode)
+            passed = systemd.listen_fds()
+            if passed:
+                self.listener = passed[0]
+                self.listener.setblocking(False)
+                self.socket_passed = True
+            else:
+                self.listener = listen_unix(self.config.socket, self.config.socket_mode)
         try:
             for index in range(self.config.worker_count):
                 self.spawn_worker(index)
             self.wait_for_workers()
             self.selector.register(self.listener, selectors.EVENT_READ, "listener")
+            if self.config.metrics:
+                self.metrics = metrics.MetricsServer.open(
+                    self.config.metrics, lambda: metrics.render(self.stats())
+                )
+                self.metrics.attach(self.selector)
+            systemd.ready(f"serving on {self.config.socket} with {len(self.workers)} workers")
             log.info(
                 "serving on %s with %d workers (pid %d)",
                 self.config.socket,
@@ -213,11 +232,13 @@ class Supervisor:
         if self.reload_from is None:
             log.warning("SIGHUP: no configuration source to reload from")
             return
+        systemd.reloading()
         try:
             new = self.reload_from()
         except ConfigError as error:
             log.error("reload refused, the old configuration stays in force: %s", error)
             self.requests["reload_refused"] += 1
+            systemd.ready("reload refused; the old configuration stays in force")
             return
         merged, held = merge_reload(self.config, new)
         if held:
@@ -226,6 +247,7 @@ class Supervisor:
             )
         self.apply_config(merged)
         self.requests["reloads"] += 1
+        systemd.ready("configuration reloaded")
         log.info("configuration reloaded")
 
     def apply_config(self, config: Config) -> None:
@@ -327,7 +349,9 @@ class Supervisor:
         for message in messages:
             kind = message[0]
             if kind == DONE:
-                for ticket, outcome, nbytes in message[1]:
+                observe_file = self.file_latency.observe
+                for ticket, outcome, nbytes, micros in message[1]:
+                    observe_file(micros / 1e6)
                     request = self.books.settle(handle.index, ticket, outcome, nbytes)
                     if request is not None:
                         self.answer(request)
@@ -361,9 +385,15 @@ class Supervisor:
     # ---- the loop --------------------------------------------------------------------------
 
     def next_timeout(self) -> float | None:
-        if not self.timers:
-            return None
-        return max(0.0, self.timers[0][0] - time.monotonic())
+        now = time.monotonic()
+        timeout = max(0.0, self.timers[0][0] - now) if self.timers else None
+        for due in (
+            self.metrics.next_timeout(now) if self.metrics is not None else None,
+            self.watchdog.timeout(now),
+        ):
+            if due is not None:
+                timeout = due if timeout is None else min(timeout, due)
+        return timeout
 
     def run_once(self, timeout: float | None) -> None:
         for key, events in self.selector.select(timeout):
@@ -379,6 +409,8 @@ class Supervisor:
                     self.on_worker_messages(data, data.reader.read_available())
                     if data.reader.closed:
                         self.worker_closed(data)
+            elif self.metrics is not None and self.metrics.handles(data):
+                self.metrics.on_event(key, events)
             elif isinstance(data, Connection):
                 if events & selectors.EVENT_WRITE:
                     data.flush()
@@ -386,6 +418,10 @@ class Supervisor:
                     self.read_connection(data)
                 self.update_connection(data)
         self.fire_timers()
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.expire(now)
+        self.watchdog.tick(now)
 
     def worker_closed(self, handle: WorkerHandle) -> None:
         """EOF from a worker: it is dying; wait for it so its exit status is known."""
@@ -446,7 +482,7 @@ class Supervisor:
                         f"{self.config.max_frame_bytes}",
                     )
                 )
-                self.requests["too_large"] += 1
+                self.requests[f"none:error_{TOO_LARGE}"] += 1
                 continue
             self.handle_frame(connection, frame.payload)
 
@@ -473,25 +509,30 @@ class Supervisor:
     # ---- requests --------------------------------------------------------------------------
 
     def handle_frame(self, connection: Connection, payload: bytes) -> None:
+        started = time.perf_counter()
         request_id: int | None = None
+        op = "none"  # a label for requests whose op could not be read
         try:
             message = decode_payload(payload, self.limits)
             raw_id = message.get("id")
             if isinstance(raw_id, int) and not isinstance(raw_id, bool) and raw_id >= 0:
                 request_id = raw_id
+            raw_op = message.get("op")
+            op = raw_op if raw_op in OPS else "unknown"
             request = parse_request(message)
             if self.stopping:
                 raise RequestError(OVERLOADED, "the daemon is shutting down", request_id)
-            self.requests[request.op] += 1
             self.dispatch(connection, request)
+            self.requests[f"{op}:ok"] += 1
         except RequestError as error:
-            self.requests[f"error_{error.code}"] += 1
+            self.requests[f"{op}:error_{error.code}"] += 1
             rid = error.request_id if error.request_id is not None else request_id
             connection.send(error_reply(rid, error.code, error.message))
         except Exception as error:  # a bug must cost one reply, never the daemon
             log.exception("internal error handling a request")
-            self.requests[f"error_{INTERNAL}"] += 1
+            self.requests[f"{op}:error_{INTERNAL}"] += 1
             connection.send(error_reply(request_id, INTERNAL, f"{type(error).__name__}: {error}"))
+        self.ack_latency.observe(op, time.perf_counter() - started)
 
     def dispatch(self, connection: Connection, request: Request) -> None:
         if request.op == "ping":
@@ -572,6 +613,7 @@ class Supervisor:
                     on_done(done)
                 if not options.wait:
                     return
+                self.wait_latency.observe(time.monotonic() - done.started)
                 connection.send(
                     ok_reply(
                         done.request_id,
@@ -674,6 +716,11 @@ class Supervisor:
             },
             "bytes_read": self.books.bytes_read,
             "kv": self.kv.stats(),
+            "latency": {
+                "ack_seconds": self.ack_latency.snapshot(),
+                "wait_seconds": self.wait_latency.snapshot(),
+                "file_seconds": self.file_latency.snapshot(),
+            },
             "worker_restarts": self.worker_restarts,
             "supervisor": {"pid": os.getpid(), **process_figures(os.getpid())},
             "connections": len(self.connections),
@@ -701,6 +748,7 @@ class Supervisor:
 
     def drain(self) -> None:
         """Stop taking connections, give waiting requests a moment, then answer them all."""
+        systemd.stopping("draining")
         if self.listener is not None:
             self._close_listener()
         deadline = time.monotonic() + self.config.drain_seconds
@@ -727,12 +775,16 @@ class Supervisor:
             self.selector.unregister(self.listener)
         self.listener.close()
         self.listener = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket)
+        if not self.socket_passed:  # systemd owns a passed socket's file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket)
 
     def halt(self) -> None:
         """Stop the workers and close everything; bounded in time however the workers behave."""
         self.stopping = True
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.listener is not None:
             self._close_listener()
         for connection in list(self.connections.values()):

@@ -13,6 +13,7 @@ import select
 import signal
 import socket
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -91,11 +92,12 @@ class Worker:
         if message[0] != WARM:
             log.warning("worker %d: unknown message %r", self.plan.index, message[0])
             return
+        received = time.monotonic()
         for ticket, root_index, relative, want in message[1]:
             key: Key = (root_index, relative)
             if self.recent.covers(key, want):
                 self.counters["dedup_recent"] += 1
-                self.outcomes.append([ticket, "resident", 0])
+                self.outcomes.append([ticket, "resident", 0, 0])
                 continue
             if not self.in_flight.join(key, want, ticket):
                 self.counters["dedup_in_flight"] += 1
@@ -103,10 +105,10 @@ class Worker:
             root_fd = self.root_fd(root_index)
             if root_fd < 0:
                 for waiting in self.in_flight.settle(key, want):
-                    self.outcomes.append([waiting, "missing", 0])
+                    self.outcomes.append([waiting, "missing", 0, 0])
                 continue
             rule = self.plan.rules[root_index]
-            self.pending.append(WarmItem(root_fd, rule, relative, want, key))
+            self.pending.append(WarmItem(root_fd, rule, relative, want, key, received))
 
     def root_fd(self, index: int) -> int:
         """A root that did not exist at start may have been created since: look again."""
@@ -127,10 +129,13 @@ class Worker:
         if completion.outcome in ("read", "resident"):
             self.recent.remember(item.key, item.want)
         bytes_read = completion.done if completion.outcome == "read" else 0
+        micros = int((time.monotonic() - item.received) * 1e6)
         tickets = self.in_flight.settle(item.key, item.want)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
-            self.outcomes.append([ticket, completion.outcome, bytes_read if position == 0 else 0])
+            self.outcomes.append(
+                [ticket, completion.outcome, bytes_read if position == 0 else 0, micros]
+            )
         if completion.outcome == "failed":
             log.debug(
                 "worker %d: %r failed: %s",

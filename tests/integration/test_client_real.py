@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Daemon, make_file
+from daemon_harness import Daemon, make_file
 from kvprefetch import AsyncClient, Client
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from conftest import PAGE, Daemon, make_file, resident_bytes, start_daemon
+from daemon_harness import PAGE, Daemon, make_file, resident_bytes, start_daemon
 from open_audit import OpenAudit
 
 MIB = 1 << 20

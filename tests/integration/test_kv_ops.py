@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Daemon, make_file
+from daemon_harness import Daemon, make_file
 from kv_vectors import one_group_layout, vector, versions_of
 from open_audit import OpenAudit
 

@@ -43,6 +43,7 @@ class WarmItem:
     relative: bytes
     want: int
     key: Any = None
+    received: float = 0.0  # monotonic time the worker got it: per-file latency starts here
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""A `stats` reply as the daemon shapes it, for the metrics tests (a module, not a conftest:
+tests/conftest.py is imported as `conftest` by the tests that start a real daemon)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvprefetchd import metrics
+from kvprefetchd.metrics import Histogram, Histograms
+
+
+def realistic_stats() -> dict[str, Any]:
+    """The shape of a real `stats` reply (0.1.0), plus the latency section the supervisor adds."""
+    ack = Histograms(metrics.ACK_BUCKETS)
+    for value in (0.00004, 0.00009, 0.0003):
+        ack.observe("prefetch", value)
+    ack.observe("ping", 0.00002)
+    wait = Histogram(metrics.WAIT_BUCKETS)
+    wait.observe(0.004)
+    wait.observe(0.7)
+    files = Histogram(metrics.FILE_BUCKETS)
+    for value in (0.00003, 0.002, 0.002, 3.0):
+        files.observe(value)
+    return {
+        "uptime_s": 12.5,
+        "version": "0.1.0",
+        "engine": "io_uring",
+        "warm_mode": "read",
+        "requests": {
+            "ping": 3, "prefetch": 10, "prefetch_blocks": 2, "stats": 1,
+            "error_bad_request": 1, "error_unknown_op": 2, "too_large": 1,
+            "connections_refused": 4, "reload_refused": 1,
+        },
+        "files": {
+            "accepted": 40, "dropped": 5, "rejected_by_supervisor": 2, "read": 20,
+            "resident": 10, "missing": 6, "rejected": 1, "failed": 1, "expired_replies": 3,
+            "in_flight": 2,
+        },
+        "bytes_read": 20 * 1048576,
+        "kv": {
+            "profiles": ["llama", "qwen3-8b"],
+            "resolved_requests": 7,
+            "resolve_ms_total": 12.5,
+            "stale": {
+                "qwen3-8b": {"fingerprint": "07d7b166f256", "missing": 300, "present": 0,
+                             "missing_streak": 300, "stale": True,
+                             "likely_fingerprint": "aaaaaaaaaaaa"},
+            },
+        },
+        "worker_restarts": 1,
+        "supervisor": {"pid": 100, "rss_bytes": 25_000_000, "cpu_seconds": 0.25, "open_fds": 13},
+        "connections": 2,
+        "roots": [{"root": "/mnt/kv", "fstype": "gpfs", "rule": "tier", "why": "..."}],
+        "workers": [
+            {"rss_bytes": 18_000_000, "cpu_seconds": 1.5, "open_fds": 6, "index": 0,
+             "pid": 101, "ready": True, "engine": "io_uring", "queue_depth": 3,
+             "queue_limit": 8192, "restarts": 1, "batches": 9, "dedup_recent": 4},
+            {"rss_bytes": 19_000_000, "cpu_seconds": 0.5, "open_fds": 7, "index": 1,
+             "pid": 102, "ready": False, "engine": "", "queue_depth": 0,
+             "queue_limit": 8192, "restarts": 0},
+        ],
+        "latency": {
+            "ack_seconds": ack.snapshot(),
+            "wait_seconds": wait.snapshot(),
+            "file_seconds": files.snapshot(),
+        },
+    }
