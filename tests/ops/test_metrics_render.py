@@ -257,7 +257,7 @@ def test_render_of_a_real_daemons_stats(daemon: Any) -> None:
     daemon.call("prefetch", paths=[str(daemon.root / "a.bin"), "/etc/passwd"], wait=True)
     f = parse(render(daemon.call("stats")["stats"]))
     total = "kvprefetchd_requests_total"
-    assert sample(f, "kvprefetchd_requests:counter", total, op="prefetch", result="received") == 1
+    assert sample(f, "kvprefetchd_requests:counter", total, op="prefetch", result="ok") == 1
     outcomes = f["kvprefetchd_files:counter"]
     assert outcomes[("kvprefetchd_files_total", (("outcome", "rejected"),))] == 1
     assert sum(outcomes.values()) == 2
