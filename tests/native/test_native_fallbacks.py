@@ -1,0 +1,77 @@
+"""The fallbacks for kernels without openat2 (< 5.6) or without /proc, forced
+on this kernel with kvp_ctx_force_fallback (a testing aid in kvprefetch.h)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from native_helpers import Ctx, KiB, Result, assert_warm, evict, write_file
+
+from kvprefetchd._native import lib
+
+
+def _tree(root: Path, outside: Path) -> None:
+    (root / "a" / "b").mkdir(parents=True)
+    write_file(root / "a" / "b" / "f", 64 * KiB)
+    evict(root / "a" / "b" / "f")
+    os.symlink("b/f", root / "a" / "link_in")
+    os.symlink("a/b", root / "dirlink")
+    os.symlink(outside, root / "abs_out")
+    os.mkfifo(root / "fifo")
+
+
+def test_component_walk_is_stricter(engine: str, root, tmp_path: Path) -> None:
+    outside = write_file(tmp_path / "outside", 4096)
+    _tree(root.path, outside)
+    ctx = Ctx(engine, fallback=lib.KVP_FALLBACK_OPENAT2)
+    rels = ["a/b/f", "./a//b/./f", "a/link_in", "dirlink/f", "abs_out", "a/../a/b/f",
+            "../outside", "/etc/hostname", "a/nope", "a/b/f/x", "fifo", "a", "x" * 300]
+    res = ctx.run(root.fd, rels, 64 * KiB)
+    assert [(r.outcome, r.err) for r in res] == [
+        ("READ", ""),
+        ("READ", ""),
+        ("REJECTED", "ELOOP"),  # a symlink inside the root: followed by openat2, not here
+        ("REJECTED", "ELOOP"),
+        ("REJECTED", "ELOOP"),
+        ("REJECTED", "EXDEV"),  # ".." refused outright
+        ("REJECTED", "EXDEV"),
+        ("REJECTED", "EXDEV"),
+        ("MISSING", "ENOENT"),
+        ("MISSING", "ENOTDIR"),
+        ("REJECTED", "EINVAL"),
+        ("REJECTED", "EISDIR"),
+        ("REJECTED", "ENAMETOOLONG"),
+    ]
+    assert res[0] == Result("READ", "", 64 * KiB, 64 * KiB)
+    assert_warm(root.path / "a" / "b" / "f", 64 * KiB)
+
+
+def test_reopen_without_proc(engine: str, root, tmp_path: Path) -> None:
+    outside = write_file(tmp_path / "outside", 4096)
+    _tree(root.path, outside)
+    for which in (lib.KVP_FALLBACK_PROC, lib.KVP_FALLBACK_PROC | lib.KVP_FALLBACK_OPENAT2):
+        evict(root.path / "a" / "b" / "f")
+        ctx = Ctx(engine, fallback=which)
+        res = ctx.run(root.fd, ["a/b/f", "a/link_in", "abs_out", "fifo"], 64 * KiB)
+        link = ("READ", "") if which == lib.KVP_FALLBACK_PROC else ("REJECTED", "ELOOP")
+        assert [(r.outcome, r.err) for r in res] == [
+            ("READ", ""),
+            link,
+            ("REJECTED", "EXDEV" if which == lib.KVP_FALLBACK_PROC else "ELOOP"),
+            ("REJECTED", "EINVAL"),
+        ]
+        assert_warm(root.path / "a" / "b" / "f", 64 * KiB)
+
+
+def test_socket_under_the_walk(engine: str, root, monkeypatch) -> None:
+    monkeypatch.chdir(root.path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("s")
+    try:
+        res = Ctx(engine, fallback=lib.KVP_FALLBACK_OPENAT2 | lib.KVP_FALLBACK_PROC).run(
+            root.fd, ["s"], 4096)
+    finally:
+        sock.close()
+    assert [(r.outcome, r.err) for r in res] == [("REJECTED", "EINVAL")]

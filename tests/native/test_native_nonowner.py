@@ -1,0 +1,82 @@
+"""Residency as an unprivileged non-owner: never a false RESIDENT.
+
+For a file the caller neither owns nor may write, mincore claims every page
+resident (Linux 5.2+, commit 134fca9063ad) and cachestat refuses with EPERM
+(6.14+, commit 5f537664e705).  The extension must answer -EPERM rather than
+the lie, and the PAGECACHE rule must then warm.  The check runs in a forked
+child that drops to nobody; descriptors are opened by root and inherited.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from native_helpers import Batch, Ctx, MiB, resident, skip_if_dropped, write_file
+
+from kvprefetchd._native import lib
+
+NOBODY = 65534
+
+
+def _as_nobody(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run fn in a forked child that dropped to nobody; its result via a pipe."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "child failed (traceback above)"
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def test_non_owner_never_sees_a_false_resident(root) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to nobody")
+    path = write_file(root.path / "f", 2 * MiB)
+    os.chmod(path, 0o644)  # readable, not writable, by nobody
+    with open(path, "rb") as f:
+        f.read()  # fully cached: a truthful answer is "all resident"
+    assert resident(path, 0, 2 * MiB, 0) == 2 * MiB or skip_if_dropped()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        batch = Batch(root.fd, ["f"], MiB, residency=lib.KVP_RES_PAGECACHE)
+        ctx = Ctx("pread1")
+
+        def child() -> dict[str, Any]:
+            return {
+                "cachestat": lib.kvp_resident_bytes(fd, 0, 2 * MiB, 0),
+                "mincore": lib.kvp_resident_bytes(fd, 0, 2 * MiB, 1),
+                "outcome": ctx.run_batch(batch)[0].outcome,
+            }
+
+        got = _as_nobody(child)
+    finally:
+        os.close(fd)
+    # mincore would say 2 MiB whatever the truth: refused
+    assert got["mincore"] == -errno.EPERM
+    if got["cachestat"] == -errno.EPERM:  # 6.14+: cachestat refuses too, so warm
+        assert got["outcome"] == "READ"
+    else:  # an older cachestat tells the truth to anyone
+        assert got["cachestat"] == 2 * MiB
+        assert got["outcome"] == "RESIDENT"
