@@ -58,3 +58,40 @@ def test_cli_exit_3_names_the_socket_when_no_daemon(tmp_path: Path) -> None:
         capture_output=True, text=True, check=False, timeout=60,
     )
     assert result.returncode == 3 and missing in result.stderr
+
+
+def test_cli_resolve_and_warm_request(daemon: Daemon, tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "hash": {"algo": "sha256_cbor", "python_hash_seed": "0", "block_size": 16,
+                 "vllm_version": "0.23.0"},
+        "layout": {"root_dir": str(daemon.root), "model_name": "org/m", "fingerprint":
+                   "0123456789ab", "kv_cache_groups": [{"block_size": 16}],
+                   "connector_block_size_tokens": 16},
+    }))
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([list(range(40)), list(range(100, 132))]))
+    env = {**os.environ, "KVPREFETCHD_SOCKET": daemon.socket_path}
+
+    def cli(*args: str) -> dict[str, object]:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvprefetch", *args, "--json", "--profile", str(profile),
+             "--tokens", str(tokens)],
+            capture_output=True, text=True, env=env, check=False, timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        out: dict[str, object] = json.loads(result.stdout)
+        return out
+
+    resolved = cli("resolve")
+    hashes = resolved["block_hashes"]
+    assert isinstance(hashes, list) and [len(chain) for chain in hashes] == [2, 2]
+    paths = resolved["paths"]
+    assert isinstance(paths, list) and len(paths) == 4
+    assert resolved["fingerprint"] == "0123456789ab"
+    for path in paths[:3]:
+        make_file(Path(str(path)), 4096)
+    warmed = cli("warm-request", "--wait")
+    assert warmed["files"] == 4
+    assert warmed["outcomes"] == {"read": 3, "resident": 0, "missing": 1, "rejected": 0,
+                                  "failed": 0, "expired": 0}

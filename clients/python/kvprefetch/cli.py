@@ -90,6 +90,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     warm.set_defaults(run=_run_warm, describe=_describe_warm)
 
+    kv_request = argparse.ArgumentParser(add_help=False)
+    source = kv_request.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="NAME", help="a model profile configured in the daemon")
+    source.add_argument(
+        "--profile", metavar="FILE",
+        help="an inline profile: a JSON or TOML file with `hash` and `layout` maps",
+    )
+    prompts = kv_request.add_mutually_exclusive_group(required=True)
+    prompts.add_argument(
+        "--tokens", metavar="FILE",
+        help="token ids (- for stdin): a JSON array for one prompt, an array of arrays for "
+        "several, or whitespace-separated integers",
+    )
+    prompts.add_argument(
+        "--block-hashes", metavar="FILE",
+        help="block hashes the caller computed (- for stdin): hex strings, one per line; a "
+        "blank line separates prompts",
+    )
+    kv_request.add_argument("--cache-salt", metavar="SALT", help="vLLM cache_salt of the prompts")
+
+    resolve = commands.add_parser(
+        "resolve", parents=[output, kv_request],
+        help="print the block hashes and file paths a KV request maps to (no I/O)",
+    )
+    resolve.set_defaults(run=_run_resolve, describe=_describe_resolve)
+
+    warm_request = commands.add_parser(
+        "warm-request", parents=[output, kv_request],
+        help="warm the files of a KV request (prefetch_blocks)",
+    )
+    warm_request.add_argument("--wait", action="store_true", help="wait for every outcome")
+    warm_request.add_argument("--read-bytes", type=_count, metavar="N")
+    warm_request.add_argument("--timeout-ms", type=_count, metavar="N")
+    warm_request.set_defaults(run=_run_warm_request, describe=_describe_warm_request)
+
     stats = commands.add_parser("stats", parents=[output], help="show the daemon's counters")
     stats.set_defaults(run=_run_stats, describe=_describe_stats)
     return parser
@@ -154,6 +189,104 @@ def _run_stats(client: Client, args: argparse.Namespace) -> dict[Any, Any]:
 
 def _describe_stats(out: dict[Any, Any], args: argparse.Namespace) -> str:
     return "\n".join(f"{key} {value}" for key, value in _flatten(out))
+
+
+def _run_resolve(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return asdict(client.resolve(**_kv_request(args)))
+
+
+def _describe_resolve(out: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = []
+    for index, chain in enumerate(out["block_hashes"]):
+        lines.append(f"# prompt {index}: {len(chain)} block hashes")
+        lines.extend(chain)
+    lines.append(f"# {len(out['paths'])} files")
+    lines.extend(_text(path) for path in out["paths"])
+    return "\n".join(lines)
+
+
+def _run_warm_request(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    if args.timeout_ms is not None and not args.wait:
+        raise ValueError("--timeout-ms needs --wait")
+    result = client.prefetch_blocks(
+        wait=args.wait, read_bytes=args.read_bytes, timeout_ms=args.timeout_ms,
+        **_kv_request(args),
+    )
+    return asdict(result)
+
+
+def _describe_warm_request(out: dict[str, Any], args: argparse.Namespace) -> str:
+    return f"{out['files']} files: " + _describe_warm(out, args)
+
+
+def _kv_request(args: argparse.Namespace) -> dict[str, Any]:
+    """The KV request fields of protocol.md from the command line's files."""
+    request: dict[str, Any] = {}
+    if args.model:
+        request["model"] = args.model
+    else:
+        profile = _load_structured(args.profile)
+        if not isinstance(profile, dict) or not {"hash", "layout"} <= set(profile):
+            raise ValueError(f"{args.profile}: a profile needs `hash` and `layout` maps")
+        request["hash"], request["layout"] = profile["hash"], profile["layout"]
+    if args.tokens is not None:
+        prompts = _parse_tokens(_read_text(args.tokens), args.tokens)
+        request["prompts"] = [
+            {"token_ids": tokens, **({"cache_salt": args.cache_salt} if args.cache_salt else {})}
+            for tokens in prompts
+        ]
+    else:
+        request["block_hashes"] = _parse_block_hashes(_read_text(args.block_hashes))
+    return request
+
+
+def _read_text(name: str) -> str:
+    if name == "-":
+        return _stdin_bytes().decode()
+    with open(name, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _load_structured(name: str) -> Any:
+    text = _read_text(name)
+    if name.endswith(".toml"):
+        import tomllib
+
+        return tomllib.loads(text)
+    return json.loads(text)
+
+
+def _parse_tokens(text: str, name: str) -> list[list[int]]:
+    stripped = text.strip()
+    try:
+        value = json.loads(stripped) if stripped.startswith("[") else [
+            [int(word) for word in stripped.split()]
+        ]
+    except ValueError as error:
+        raise ValueError(f"{name}: not token ids: {error}") from None
+    if value and all(isinstance(t, int) for t in value):
+        value = [value]
+    if not isinstance(value, list) or not all(
+        isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        for p in value
+    ):
+        raise ValueError(f"{name}: expected an array of token ids or an array of such arrays")
+    return value
+
+
+def _parse_block_hashes(text: str) -> list[list[bytes]]:
+    prompts: list[list[bytes]] = [[]]
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            if prompts[-1]:
+                prompts.append([])
+            continue
+        try:
+            prompts[-1].append(bytes.fromhex(line))
+        except ValueError:
+            raise ValueError(f"not a hex block hash: {line!r}") from None
+    return [p for p in prompts if p]
 
 
 # --- helpers ------------------------------------------------------------------------------

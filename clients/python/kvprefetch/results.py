@@ -43,6 +43,7 @@ class ResolveResult:
     block_hashes: list[list[str]]
     # bin when the daemon had to send a non-UTF-8 path (protocol.md, "Transport and framing")
     paths: list[Path]
+    fingerprint: str | None = None  # the 12-hex folder tag the daemon used
 
 
 def parse_ping(reply: Reply) -> PingResult:
@@ -78,7 +79,12 @@ def parse_resolve(reply: Reply) -> ResolveResult:
     paths = _get(reply, "paths", list)
     if not all(isinstance(p, str | bytes) for p in paths):
         raise ProtocolError("'paths' holds something other than paths")
-    return ResolveResult(block_hashes=block_hashes, paths=paths)
+    fingerprint = reply.get("fingerprint")
+    return ResolveResult(
+        block_hashes=block_hashes,
+        paths=paths,
+        fingerprint=fingerprint if isinstance(fingerprint, str) else None,
+    )
 
 
 def parse_stats(reply: Reply) -> dict[Any, Any]:
