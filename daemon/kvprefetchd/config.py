@@ -79,6 +79,8 @@ class Config:
     max_output_bytes: int = 8 * MIB  # replies buffered for one slow client before it is cut off
     max_connections: int = 1024
     models: Mapping[str, Profile] = field(default_factory=dict)
+    # [models.NAME] warm_mode: a profile may warm by advice where the global mode reads.
+    model_warm_modes: Mapping[str, str] = field(default_factory=dict)
     allow_inline_layouts: bool = True  # prefetch_blocks with inline hash+layout maps
     max_prompts: int = 64
     max_tokens: int = 1 << 20
@@ -172,6 +174,8 @@ def _check(key: str, value: Any) -> Any:
             raise ConfigError("models: expected tables [models.NAME] with hash and layout")
         profiles = {}
         for name, table in value.items():
+            if isinstance(table, Mapping) and "warm_mode" in table:
+                table = {k: v for k, v in table.items() if k != "warm_mode"}
             try:
                 profiles[name] = Profile.from_mapping(name, table, strict=True)
             except KVError as error:
@@ -199,8 +203,10 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
     merged: dict[str, Any] = {}
     for source in (file_values, overrides):
         for key, value in source.items():
-            if key not in _FIELDS:
+            if key not in _FIELDS or key == "model_warm_modes":
                 raise ConfigError(f"{key}: unknown setting")
+            if key == "models" and isinstance(value, Mapping):
+                merged["model_warm_modes"] = _model_warm_modes(value)
             merged[key] = _check(key, value)
     config = Config(**merged)
     if config.read_bytes > config.max_read_bytes:
@@ -224,7 +230,7 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
 RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
-    "max_open_files", "dedup_ttl_ms", "dedup_entries", "metrics",
+    "max_open_files", "dedup_ttl_ms", "dedup_entries", "metrics", "model_warm_modes",
 })
 
 
@@ -235,6 +241,18 @@ def merge_reload(old: Config, new: Config) -> tuple[Config, list[str]]:
     ]
     merged = dataclasses.replace(new, **{key: getattr(old, key) for key in held})
     return merged, held
+
+
+def _model_warm_modes(tables: Mapping[str, Any]) -> dict[str, str]:
+    modes = {}
+    for name, table in tables.items():
+        mode = table.get("warm_mode") if isinstance(table, Mapping) else None
+        if mode is None:
+            continue
+        if mode not in WARM_MODES:
+            raise ConfigError(f"models.{name}.warm_mode: {mode!r} is not one of read, advise")
+        modes[name] = mode
+    return modes
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

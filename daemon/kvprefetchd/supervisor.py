@@ -35,8 +35,8 @@ from kvprefetchd.books import Books, PendingRequest
 from kvprefetchd.channel import BOOT_FAILED, DONE, READY, WARM, ChannelReader, pack
 from kvprefetchd.config import Config, ConfigError, merge_reload
 from kvprefetchd.confine import Roots
-from kvprefetchd.engines import engine_candidates
-from kvprefetchd.engines.base import EngineSettings
+from kvprefetchd.engines import NoEngine, engine_candidates
+from kvprefetchd.engines.base import Engine, EngineSettings
 from kvprefetchd.kvservice import KVService
 from kvprefetchd.protocol import (
     INTERNAL,
@@ -115,6 +115,13 @@ class Supervisor:
             choose_rule(root, config.residency_for(root)) for root in config.roots
         ]
         self.engine_classes = engine_candidates(config.engine, config.warm_mode)
+        self.other_mode = "advise" if config.warm_mode == "read" else "read"
+        self.other_mode_classes: tuple[type[Engine], ...] = ()
+        if self.other_mode in config.model_warm_modes.values():
+            try:
+                self.other_mode_classes = engine_candidates(config.engine, self.other_mode)
+            except NoEngine as error:
+                log.warning("%s mode for model profiles unavailable: %s", self.other_mode, error)
         self.plan_settings = EngineSettings(
             chunk_bytes=config.chunk_bytes,
             queue_depth=config.queue_depth,
@@ -273,6 +280,7 @@ class Supervisor:
             roots=self.config.roots,
             rules=tuple(rule.code for rule in self.rules),
             engine_classes=self.engine_classes,
+            other_mode_classes=self.other_mode_classes,
             engine_settings=self.plan_settings,
             dedup_ttl=self.config.dedup_ttl_ms / 1000.0,
             dedup_entries=self.config.dedup_entries,
@@ -565,9 +573,11 @@ class Supervisor:
         def feed_stale_detector(done: PendingRequest) -> None:
             self.kv.record(profile, resolution.fingerprint, done.outcomes)
 
+        mode = self.config.model_warm_modes.get(request.body.get("model", ""))
         self.warm(
             connection, request, resolution.paths, options,
             extra={"files": len(resolution.paths)}, on_done=feed_stale_detector,
+            other_mode=mode is not None and mode != self.config.warm_mode,
         )
 
     def resolve(self, connection: Connection, request: Request) -> None:
@@ -593,6 +603,7 @@ class Supervisor:
         *,
         extra: dict[str, Any] | None = None,
         on_done: Callable[[PendingRequest], None] | None = None,
+        other_mode: bool = False,
     ) -> None:
         """Queue the files; reply now (fire and forget) or once they are settled (`wait`)."""
         if len(paths) > self.config.max_paths_per_request:
@@ -628,7 +639,9 @@ class Supervisor:
                 self.update_connection(connection)
 
             pending = PendingRequest(request.request_id, reply_to, now, deadline)
-        accepted, dropped, rejected = self.enqueue(paths, options.read_bytes, pending)
+        accepted, dropped, rejected = self.enqueue(
+            paths, options.read_bytes, pending, other_mode
+        )
         if not options.wait:
             connection.send(
                 ok_reply(
@@ -644,7 +657,7 @@ class Supervisor:
             heapq.heappush(self.timers, (pending.deadline, next(self._timer_seq), pending))
 
     def enqueue(
-        self, paths: list[Any], want: int, pending: PendingRequest | None
+        self, paths: list[Any], want: int, pending: PendingRequest | None, other_mode: bool
     ) -> tuple[int, int, int]:
         """Confine, shard and queue; a full worker queue drops the file, never blocks."""
         workers = len(self.workers)
@@ -654,6 +667,7 @@ class Supervisor:
         place, issue, open_ = self.roots.place, self.books.issue, self.books.open
         alive = [handle is not None for handle in self.workers]
         debug = log.isEnabledFor(logging.DEBUG)
+        mode = int(other_mode)
         for path in paths:
             placed = place(path)
             if isinstance(placed, str):
@@ -666,7 +680,7 @@ class Supervisor:
             if len(open_[index]) >= limit or not alive[index]:
                 dropped += 1
                 continue
-            batches[index].append([issue(index, pending), root_index, relative, want])
+            batches[index].append([issue(index, pending), root_index, relative, want, mode])
             accepted += 1
         if rejected:
             self.books.count_refused("rejected", pending, rejected)

@@ -51,6 +51,9 @@ class WorkerPlan:
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
+    # The engines for the other warm mode (a model profile may choose it); empty when
+    # no profile does, or when no engine of that mode can run here.
+    other_mode_classes: tuple[type[Engine], ...] = ()
 
 
 def _open_root(path: str) -> int:
@@ -70,22 +73,30 @@ class Worker:
         self.root_fds = [_open_root(root) for root in plan.roots]
         self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries)
         self.in_flight = InFlight()
-        self.pending: deque[WarmItem] = deque()
+        self.pending: deque[WarmItem] = deque()  # the configured warm mode
+        self.pending_other: deque[WarmItem] = deque()  # the other mode (per model profile)
+        self.other_engine: Engine | None = None
         self.outcomes: list[list[Any]] = []
-        self.counters = {"batches": 0, "dedup_recent": 0, "dedup_in_flight": 0}
+        self.counters = {
+            "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0
+        }
 
     def run(self) -> None:
         poller = select.poll()
         poller.register(self.sock.fileno(), select.POLLIN)
         while True:
-            poller.poll(0 if self.pending else None)
+            poller.poll(0 if self.pending or self.pending_other else None)
             for message in self.reader.read_available():
                 self.accept(message)
             if self.reader.closed:
                 return  # the supervisor is gone: nobody to report to
             self.flush()
             if self.pending:
-                self.warm_one_batch()
+                self.warm_one_batch(self.engine, self.pending)
+                self.flush()
+            if self.pending_other:
+                self.warm_one_batch(self.engine_for_other_mode(), self.pending_other)
+                self.counters["batches_other_mode"] += 1
                 self.flush()
 
     def accept(self, message: list[Any]) -> None:
@@ -93,7 +104,7 @@ class Worker:
             log.warning("worker %d: unknown message %r", self.plan.index, message[0])
             return
         received = time.monotonic()
-        for ticket, root_index, relative, want in message[1]:
+        for ticket, root_index, relative, want, other_mode in message[1]:
             key: Key = (root_index, relative)
             if self.recent.covers(key, want):
                 self.counters["dedup_recent"] += 1
@@ -108,7 +119,8 @@ class Worker:
                     self.outcomes.append([waiting, "missing", 0, 0])
                 continue
             rule = self.plan.rules[root_index]
-            self.pending.append(WarmItem(root_fd, rule, relative, want, key, received))
+            queue = self.pending_other if other_mode else self.pending
+            queue.append(WarmItem(root_fd, rule, relative, want, key, received))
 
     def root_fd(self, index: int) -> int:
         """A root that did not exist at start may have been created since: look again."""
@@ -116,13 +128,24 @@ class Worker:
             self.root_fds[index] = _open_root(self.plan.roots[index])
         return self.root_fds[index]
 
-    def warm_one_batch(self) -> None:
-        while self.pending and self.engine.queue(self.pending[0]) is QueueAnswer.QUEUED:
-            self.pending.popleft()
-        self.engine.submit()
+    def warm_one_batch(self, engine: Engine, pending: deque[WarmItem]) -> None:
+        while pending and engine.queue(pending[0]) is QueueAnswer.QUEUED:
+            pending.popleft()
+        engine.submit()
         self.counters["batches"] += 1
-        for completion in self.engine.reap():
+        for completion in engine.reap():
             self.settle(completion)
+
+    def engine_for_other_mode(self) -> Engine:
+        """Built on first use; where it cannot be built, the configured engine serves."""
+        if self.other_engine is None:
+            try:
+                self.other_engine = build_engine(self.plan, self.plan.other_mode_classes)
+            except Exception as error:
+                log.warning("worker %d: other warm mode unavailable (%s); using %s",
+                            self.plan.index, error, self.engine.name)
+                self.other_engine = self.engine
+        return self.other_engine
 
     def settle(self, completion: Completion) -> None:
         item = completion.item
@@ -153,16 +176,19 @@ class Worker:
         self.outcomes = []
 
 
-def build_engine(plan: WorkerPlan) -> Engine:
+def build_engine(
+    plan: WorkerPlan, candidates: tuple[type[Engine], ...] | None = None
+) -> Engine:
     """The first candidate engine that sets up here; the last one's error if none does."""
     failure: Exception | None = None
-    for engine_class in plan.engine_classes:
+    for engine_class in plan.engine_classes if candidates is None else candidates:
         try:
             return engine_class(plan.engine_settings)
         except Exception as error:
             log.warning("worker %d: engine %s: %s", plan.index, engine_class.name, error)
             failure = error
-    assert failure is not None
+    if failure is None:
+        raise RuntimeError("no engine to build")
     raise failure
 
 

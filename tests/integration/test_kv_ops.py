@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from daemon_harness import Daemon, make_file
+from daemon_harness import Daemon, make_file, resident_bytes
 from kv_vectors import one_group_layout, vector, versions_of
 from open_audit import OpenAudit
 
@@ -241,3 +241,35 @@ def test_bad_model_profiles_stop_the_daemon_with_the_key(tmp_path: Path, bad: st
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert result.returncode == 2 and f"models.m.layout.{key}" in result.stderr, result.stderr
+
+
+def test_a_profile_may_warm_by_advice_while_the_daemon_reads(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    root = tmp_path / "kv"
+    root.mkdir()
+    config = write_config(tmp_path, root, "0123456789ab")
+    config.write_text(config.read_text().replace(
+        "[models.m.hash]", '[models.m]\nwarm_mode = "advise"\n[models.m.hash]'))
+    d: Daemon = daemon_factory("--config", str(config), "--warm-mode", "read", root=root)
+    prompts = [{"token_ids": list(range(64))}]
+    paths = [Path(p) for p in d.call("resolve", model="m", prompts=prompts)["paths"]]
+    for path in paths:
+        make_file(path, 256 * 1024)
+    reply = d.call("prefetch_blocks", model="m", prompts=prompts, wait=True)
+    assert reply["outcomes"]["read"] == len(paths) == 4, reply
+    assert all(resident_bytes(p, 256 * 1024) == 256 * 1024 for p in paths)
+    workers = d.call("stats")["stats"]["workers"]
+    assert sum(w.get("batches_other_mode", 0) for w in workers) >= 1
+    plain = make_file(root / "plain.bin", 4096)
+    d.call("prefetch", paths=[str(plain)], wait=True)
+    after = d.call("stats")["stats"]["workers"]
+    assert sum(w.get("batches_other_mode", 0) for w in after) == sum(
+        w.get("batches_other_mode", 0) for w in workers)
+
+
+def test_a_bad_profile_warm_mode_names_its_key(tmp_path: Path) -> None:
+    from kvprefetchd.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=r"models\.m\.warm_mode"):
+        build_config({"models": {"m": {"warm_mode": "fast"}}}, {})

@@ -241,8 +241,9 @@ def test_the_example_config_changes_nothing_as_shipped() -> None:
 
 def test_the_example_config_documents_every_key_with_its_default() -> None:
     values = uncommented_example()
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    pending = {"metrics"}  # documented ahead of Config growing the key
+    # model_warm_modes is derived from each [models.NAME] table's warm_mode, not a key.
+    fields = {f.name: f for f in dataclasses.fields(Config) if f.name != "model_warm_modes"}
+    pending: set[str] = set()
     assert set(fields) <= set(values), set(fields) - set(values)
     assert set(values) <= set(fields) | pending, set(values) - set(fields)
     assert values["metrics"] == ""
