@@ -41,21 +41,37 @@ class Books:
     def __init__(self, workers: int) -> None:
         self._tickets = itertools.count(1)
         # ticket -> waiting request (None for fire-and-forget), kept per worker.
-        self.open: list[dict[int, PendingRequest | None]] = [{} for _ in range(workers)]
+        self.open: list[dict[int, PendingRequest]] = [{} for _ in range(workers)]
+        # Fire-and-forget files need no ticket of their own: the worker reports their
+        # outcomes as counts, and the books keep one number per worker. This halves
+        # the supervisor's cost per file on the router's hot path.
+        self.anonymous: list[int] = [0] * workers
         self.totals: Counter[str] = Counter()
         self.bytes_read = 0
 
     def outstanding(self, worker: int) -> int:
-        return len(self.open[worker])
+        return len(self.open[worker]) + self.anonymous[worker]
 
     def issue(self, worker: int, request: PendingRequest | None) -> int:
+        """A ticket for a file of a waiting request; 0 for a fire-and-forget one."""
+        self.totals["accepted"] += 1
+        if request is None:
+            self.anonymous[worker] += 1
+            return 0
         ticket = next(self._tickets)
         self.open[worker][ticket] = request
-        self.totals["accepted"] += 1
-        if request is not None:
-            request.accepted += 1
-            request.outstanding += 1
+        request.accepted += 1
+        request.outstanding += 1
         return ticket
+
+    def settle_anonymous(self, worker: int, outcomes: dict[str, int], nbytes: int) -> None:
+        """Outcomes of fire-and-forget files, counted by the worker."""
+        settled = 0
+        for outcome, n in outcomes.items():
+            self.totals[outcome] += n
+            settled += n
+        self.anonymous[worker] = max(0, self.anonymous[worker] - settled)
+        self.bytes_read += nbytes
 
     def count_refused(self, kind: str, request: PendingRequest | None, n: int = 1) -> None:
         """Files dropped (queue full) or rejected before queuing: settled on the spot."""
@@ -71,7 +87,7 @@ class Books:
             return None  # already failed when its worker died; a late answer changes nothing
         self.totals[outcome] += 1
         self.bytes_read += nbytes
-        if request is None or request.answered:
+        if request.answered:
             return None
         request.outcomes[outcome] += 1
         request.outstanding -= 1
@@ -79,6 +95,8 @@ class Books:
 
     def fail_worker(self, worker: int) -> list[PendingRequest]:
         """A worker died: its files are `failed`, never forgotten. Returns requests now complete."""
+        self.totals["failed"] += self.anonymous[worker]
+        self.anonymous[worker] = 0
         tickets = list(self.open[worker])
         done = []
         for ticket in tickets:

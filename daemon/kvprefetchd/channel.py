@@ -6,7 +6,9 @@ request envelope: both ends are ours. Message shapes, as msgpack arrays:
   supervisor -> worker   ["warm", [[ticket, root_index, relative, want, other_mode], ...]]
   worker -> supervisor   ["ready", {"engine": name, "pid": pid}]
                          ["boot_failed", reason]
-                         ["done", [[ticket, outcome, bytes, micros], ...], {counter: delta}]
+                         ["done", [[ticket, outcome, bytes], ...], {counter: delta},
+                          {outcome: n} of fire-and-forget files (ticket 0), their bytes,
+                          [file latency bucket counts, latency sum] since the last "done"]
 """
 
 from __future__ import annotations

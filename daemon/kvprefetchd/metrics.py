@@ -132,6 +132,15 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def merge(self, counts: Sequence[int], total: float) -> None:
+        """Add another histogram's bucket counts and sum (same bounds), e.g. a worker's."""
+        if len(counts) != len(self.counts):
+            raise ValueError("histograms with different buckets cannot be merged")
+        for index, n in enumerate(counts):
+            self.counts[index] += n
+        self.count += sum(counts)
+        self.sum += total
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "buckets": list(self.bounds),

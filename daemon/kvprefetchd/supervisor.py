@@ -357,13 +357,14 @@ class Supervisor:
         for message in messages:
             kind = message[0]
             if kind == DONE:
-                observe_file = self.file_latency.observe
-                for ticket, outcome, nbytes, micros in message[1]:
-                    observe_file(micros / 1e6)
-                    request = self.books.settle(handle.index, ticket, outcome, nbytes)
+                settle = self.books.settle
+                for ticket, outcome, nbytes in message[1]:
+                    request = settle(handle.index, ticket, outcome, nbytes)
                     if request is not None:
                         self.answer(request)
                 handle.counters.update(message[2])
+                self.books.settle_anonymous(handle.index, message[3], message[4])
+                self.file_latency.merge(*message[5])
             elif kind == READY:
                 handle.ready = True
                 handle.engine = message[1].get("engine", "")
@@ -664,8 +665,11 @@ class Supervisor:
         batches: list[list[list[Any]]] = [[] for _ in range(workers)]
         limit = self.config.queue_limit
         accepted = dropped = rejected = 0
-        place, issue, open_ = self.roots.place, self.books.issue, self.books.open
-        alive = [handle is not None for handle in self.workers]
+        place, issue = self.roots.place, self.books.issue
+        room = [
+            limit - self.books.outstanding(index) if handle is not None else 0
+            for index, handle in enumerate(self.workers)
+        ]
         debug = log.isEnabledFor(logging.DEBUG)
         mode = int(other_mode)
         for path in paths:
@@ -677,9 +681,10 @@ class Supervisor:
                 continue
             root_index, relative = placed
             index = shard_of(root_index, relative, workers)
-            if len(open_[index]) >= limit or not alive[index]:
+            if room[index] <= 0:
                 dropped += 1
                 continue
+            room[index] -= 1
             batches[index].append([issue(index, pending), root_index, relative, want, mode])
             accepted += 1
         if rejected:
@@ -726,7 +731,7 @@ class Supervisor:
                 "rejected": totals["rejected"],
                 "failed": totals["failed"],
                 "expired_replies": totals["expired_replies"],
-                "in_flight": sum(len(open_) for open_ in self.books.open),
+                "in_flight": sum(self.books.outstanding(i) for i in range(len(self.workers))),
             },
             "bytes_read": self.books.bytes_read,
             "kv": self.kv.stats(),

@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -31,6 +31,7 @@ from kvprefetchd.channel import (
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, QueueAnswer, WarmItem
 from kvprefetchd.faults import WORKER_BOOT_FAILS, injected
+from kvprefetchd.metrics import FILE_BUCKETS, Histogram
 
 log = logging.getLogger("kvprefetchd.worker")
 
@@ -76,7 +77,10 @@ class Worker:
         self.pending: deque[WarmItem] = deque()  # the configured warm mode
         self.pending_other: deque[WarmItem] = deque()  # the other mode (per model profile)
         self.other_engine: Engine | None = None
-        self.outcomes: list[list[Any]] = []
+        self.outcomes: list[list[Any]] = []  # [ticket, outcome, bytes] of waiting requests
+        self.anonymous: Counter[str] = Counter()  # outcomes of fire-and-forget files
+        self.anonymous_bytes = 0
+        self.latency = Histogram(FILE_BUCKETS)  # per file, since the last report
         self.counters = {
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0
         }
@@ -108,7 +112,8 @@ class Worker:
             key: Key = (root_index, relative)
             if self.recent.covers(key, want):
                 self.counters["dedup_recent"] += 1
-                self.outcomes.append([ticket, "resident", 0, 0])
+                self.outcome(ticket, "resident", 0)
+                self.latency.observe(0.0)
                 continue
             if not self.in_flight.join(key, want, ticket):
                 self.counters["dedup_in_flight"] += 1
@@ -116,7 +121,7 @@ class Worker:
             root_fd = self.root_fd(root_index)
             if root_fd < 0:
                 for waiting in self.in_flight.settle(key, want):
-                    self.outcomes.append([waiting, "missing", 0, 0])
+                    self.outcome(waiting, "missing", 0)
                 continue
             rule = self.plan.rules[root_index]
             queue = self.pending_other if other_mode else self.pending
@@ -152,13 +157,11 @@ class Worker:
         if completion.outcome in ("read", "resident"):
             self.recent.remember(item.key, item.want)
         bytes_read = completion.done if completion.outcome == "read" else 0
-        micros = int((time.monotonic() - item.received) * 1e6)
+        self.latency.observe(time.monotonic() - item.received)
         tickets = self.in_flight.settle(item.key, item.want)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
-            self.outcomes.append(
-                [ticket, completion.outcome, bytes_read if position == 0 else 0, micros]
-            )
+            self.outcome(ticket, completion.outcome, bytes_read if position == 0 else 0)
         if completion.outcome == "failed":
             log.debug(
                 "worker %d: %r failed: %s",
@@ -167,13 +170,27 @@ class Worker:
                 os.strerror(completion.error) if completion.error else "unknown",
             )
 
+    def outcome(self, ticket: int, outcome: str, nbytes: int) -> None:
+        """Ticket 0 is a fire-and-forget file: reported as a count, not one by one."""
+        if ticket:
+            self.outcomes.append([ticket, outcome, nbytes])
+        else:
+            self.anonymous[outcome] += 1
+            self.anonymous_bytes += nbytes
+
     def flush(self) -> None:
-        if not self.outcomes:
+        if not self.outcomes and not self.anonymous:
             return
         counters = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
-        send_all_blocking(self.sock, pack([DONE, self.outcomes, counters]))
+        latency = [self.latency.counts, self.latency.sum]
+        message = [DONE, self.outcomes, counters, dict(self.anonymous), self.anonymous_bytes,
+                   latency]
+        send_all_blocking(self.sock, pack(message))
         self.outcomes = []
+        self.anonymous.clear()
+        self.anonymous_bytes = 0
+        self.latency = Histogram(FILE_BUCKETS)
 
 
 def build_engine(

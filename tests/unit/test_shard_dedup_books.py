@@ -101,3 +101,16 @@ def test_books_expire_keeps_totals_honest() -> None:
     assert request.outcome_map()["expired"] == 1 and balanced(request)
     books.settle(0, tickets[1], "read", 10)
     assert books.totals["read"] == 2 and books.outstanding(0) == 0
+
+
+def test_fire_and_forget_files_are_counted_without_tickets() -> None:
+    books = Books(workers=2)
+    assert [books.issue(1, None) for _ in range(5)] == [0] * 5
+    assert books.outstanding(1) == 5 and books.outstanding(0) == 0
+    books.settle_anonymous(1, {"read": 2, "missing": 1}, 8192)
+    assert books.outstanding(1) == 2
+    assert (books.totals["read"], books.totals["missing"], books.bytes_read) == (2, 1, 8192)
+    books.fail_worker(1)
+    assert books.outstanding(1) == 0 and books.totals["failed"] == 2
+    settled = sum(books.totals[k] for k in ("read", "missing", "failed"))
+    assert books.totals["accepted"] == settled
