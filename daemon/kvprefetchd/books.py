@@ -64,6 +64,11 @@ class Books:
         request.outstanding += 1
         return ticket
 
+    def issue_anonymous(self, worker: int, n: int) -> None:
+        """n fire-and-forget files at once (what `issue(worker, None)` does n times)."""
+        self.totals["accepted"] += n
+        self.anonymous[worker] += n
+
     def settle_anonymous(self, worker: int, outcomes: dict[str, int], nbytes: int) -> None:
         """Outcomes of fire-and-forget files, counted by the worker."""
         settled = 0

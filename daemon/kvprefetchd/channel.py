@@ -3,7 +3,7 @@
 The same length-prefixed msgpack framing as the public protocol, without its
 request envelope: both ends are ours. Message shapes, as msgpack arrays:
 
-  supervisor -> worker   ["warm", [[ticket, root_index, relative, want, other_mode], ...]]
+  supervisor -> worker   ["warm", want, other_mode, [[ticket, root_index, relative], ...]]
   worker -> supervisor   ["ready", {"engine": name, "pid": pid}]
                          ["boot_failed", reason]
                          ["done", [[ticket, outcome, bytes], ...], {counter: delta},

@@ -25,6 +25,8 @@ class Roots:
         ordered = sorted(range(len(roots)), key=lambda i: -len(roots[i]))
         self._prefixes = [(os.fsencode(roots[i]).rstrip(b"/") + b"/", i) for i in ordered]
         self._str_prefixes = [(roots[i].rstrip("/") + "/", i) for i in ordered]
+        # The common case, one root and plain names, is placed without further calls.
+        self._only = self._str_prefixes[0] if len(roots) == 1 else None
 
     def place(self, path: object) -> Placed | str:
         """The root a path lies under, or the reason it is rejected.
@@ -34,6 +36,18 @@ class Roots:
         This runs once per path on the acknowledgement path, so it works on
         the str as decoded and encodes only the relative part.
         """
+        only = self._only
+        if only is not None and type(path) is str and path.startswith(only[0]):
+            relative_text = path[len(only[0]) :]
+            if (
+                relative_text
+                and len(path) <= self._max
+                and relative_text[0] != "/"
+                and "\0" not in relative_text
+                and ".." not in relative_text
+            ):
+                # A str decoded from msgpack is valid UTF-8: encode() cannot fail.
+                return (only[1], relative_text.encode())
         if isinstance(path, str):
             if len(path) > self._max:
                 return "path too long"

@@ -671,7 +671,6 @@ class Supervisor:
             for index, handle in enumerate(self.workers)
         ]
         debug = log.isEnabledFor(logging.DEBUG)
-        mode = int(other_mode)
         for path in paths:
             placed = place(path)
             if isinstance(placed, str):
@@ -685,8 +684,12 @@ class Supervisor:
                 dropped += 1
                 continue
             room[index] -= 1
-            batches[index].append([issue(index, pending), root_index, relative, want, mode])
+            ticket = issue(index, pending) if pending is not None else 0
+            batches[index].append([ticket, root_index, relative])
             accepted += 1
+        if pending is None:
+            for index, batch in enumerate(batches):
+                self.books.issue_anonymous(index, len(batch))
         if rejected:
             self.books.count_refused("rejected", pending, rejected)
         if dropped:
@@ -694,7 +697,7 @@ class Supervisor:
         for index, batch in enumerate(batches):
             handle = self.workers[index]
             if batch and handle is not None:
-                self.send_to_worker(handle, [WARM, batch])
+                self.send_to_worker(handle, [WARM, want, int(other_mode), batch])
         return accepted, dropped, rejected
 
     def answer(self, request: PendingRequest) -> None:

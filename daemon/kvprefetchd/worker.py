@@ -108,7 +108,8 @@ class Worker:
             log.warning("worker %d: unknown message %r", self.plan.index, message[0])
             return
         received = time.monotonic()
-        for ticket, root_index, relative, want, other_mode in message[1]:
+        _, want, other_mode, entries = message
+        for ticket, root_index, relative in entries:
             key: Key = (root_index, relative)
             if self.recent.covers(key, want):
                 self.counters["dedup_recent"] += 1

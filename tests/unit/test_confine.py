@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvprefetchd.confine import Roots
 
@@ -45,3 +47,13 @@ def test_refusals_name_their_reason(path: object, reason: str) -> None:
 
 def test_dotdot_inside_a_name_is_not_a_component() -> None:
     assert ROOTS.place("/kv/a..b/..c") == (0, b"a..b/..c")
+
+
+ONE = Roots(("/kv",), max_path_bytes=128)
+# The same root plus one that never matches: placed by the general path, not the fast one.
+GENERAL = Roots(("/kv", "/never-matches"), max_path_bytes=128)
+
+
+@given(st.text(alphabet="/kv.a\0é", max_size=40) | st.text(max_size=200).map(lambda t: "/kv/" + t))
+def test_the_one_root_fast_path_agrees_with_the_general_one(path: str) -> None:
+    assert ONE.place(path) == GENERAL.place(path)
