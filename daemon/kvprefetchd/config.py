@@ -71,6 +71,9 @@ class Config:
     batch_files: int = 256
     max_open_files: int = 1024
     queue_limit: int = 8192  # files outstanding per worker before new ones are dropped
+    # Workers yield the CPU to the supervisor (acks) and to the router beside them;
+    # their work is I/O-bound and waits on the disk, not on the scheduler.
+    worker_nice: int = 5
     dedup_ttl_ms: int = 1000
     dedup_entries: int = 65536
     max_frame_bytes: int = 16 * MIB
@@ -108,6 +111,7 @@ _INT_KEYS = {
     "batch_files": (1, 65536),
     "max_open_files": (8, 16384),
     "queue_limit": (1, 10_000_000),
+    "worker_nice": (0, 19),
     "dedup_ttl_ms": (0, 3_600_000),
     "dedup_entries": (0, 10_000_000),
     "max_frame_bytes": (64, 1 << 30),
@@ -230,7 +234,7 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
 RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
-    "max_open_files", "dedup_ttl_ms", "dedup_entries", "metrics", "model_warm_modes",
+    "max_open_files", "dedup_ttl_ms", "dedup_entries", "worker_nice", "metrics", "model_warm_modes",
 })
 
 

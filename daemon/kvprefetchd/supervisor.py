@@ -284,6 +284,7 @@ class Supervisor:
             engine_settings=self.plan_settings,
             dedup_ttl=self.config.dedup_ttl_ms / 1000.0,
             dedup_entries=self.config.dedup_entries,
+            nice=self.config.worker_nice,
         )
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (parent_sock, child_sock):
@@ -640,16 +641,20 @@ class Supervisor:
                 self.update_connection(connection)
 
             pending = PendingRequest(request.request_id, reply_to, now, deadline)
-        accepted, dropped, rejected = self.enqueue(
-            paths, options.read_bytes, pending, other_mode
-        )
+        batches, (accepted, dropped, rejected) = self.enqueue(paths, pending)
         if not options.wait:
+            # The ack goes out before the workers hear of the files: once they wake they
+            # take both CPUs of a small host, and the caller must not wait behind them.
             connection.send(
                 ok_reply(
                     request.request_id,
                     accepted=accepted, dropped=dropped, rejected=rejected, **extra,
                 )
             )
+        for index, batch in enumerate(batches):
+            handle = self.workers[index]
+            if batch and handle is not None:
+                self.send_to_worker(handle, [WARM, options.read_bytes, int(other_mode), batch])
         if pending is None:
             return
         if pending.outstanding == 0:
@@ -658,9 +663,13 @@ class Supervisor:
             heapq.heappush(self.timers, (pending.deadline, next(self._timer_seq), pending))
 
     def enqueue(
-        self, paths: list[Any], want: int, pending: PendingRequest | None, other_mode: bool
-    ) -> tuple[int, int, int]:
-        """Confine, shard and queue; a full worker queue drops the file, never blocks."""
+        self, paths: list[Any], pending: PendingRequest | None
+    ) -> tuple[list[list[list[Any]]], tuple[int, int, int]]:
+        """Confine, shard and book each path; a full worker queue drops the file, never blocks.
+
+        Returns each worker's batch (for the caller to send) and the counts
+        (accepted, dropped, rejected).
+        """
         workers = len(self.workers)
         batches: list[list[list[Any]]] = [[] for _ in range(workers)]
         limit = self.config.queue_limit
@@ -694,11 +703,7 @@ class Supervisor:
             self.books.count_refused("rejected", pending, rejected)
         if dropped:
             self.books.count_refused("dropped", pending, dropped)
-        for index, batch in enumerate(batches):
-            handle = self.workers[index]
-            if batch and handle is not None:
-                self.send_to_worker(handle, [WARM, want, int(other_mode), batch])
-        return accepted, dropped, rejected
+        return batches, (accepted, dropped, rejected)
 
     def answer(self, request: PendingRequest) -> None:
         if request.answered:

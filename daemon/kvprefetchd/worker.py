@@ -52,6 +52,7 @@ class WorkerPlan:
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
+    nice: int = 0
     # The engines for the other warm mode (a model profile may choose it); empty when
     # no profile does, or when no engine of that mode can run here.
     other_mode_classes: tuple[type[Engine], ...] = ()
@@ -227,6 +228,8 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
         except ImportError:
             pass
         sock.setblocking(False)
+        if plan.nice:
+            os.nice(plan.nice)
         try:
             if injected(WORKER_BOOT_FAILS):
                 raise RuntimeError("boot failure injected by KVPREFETCHD_FAULTS")
