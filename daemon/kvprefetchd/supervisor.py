@@ -161,6 +161,9 @@ class Supervisor:
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit status."""
         for rule in self.rules:
+            if not os.path.isdir(rule.root):
+                log.warning("root %s does not exist (yet): its files are missing until it does",
+                            rule.root)
             log.info(
                 "root %s: %s file system, %s rule (%s)", rule.root, rule.fstype, rule.rule, rule.why
             )
