@@ -12,6 +12,19 @@ from typing import Any
 VECTORS = Path(__file__).resolve().parent / "vectors"
 VERSION_RE = re.compile(r"\d+\.\d+\.\d+")
 
+# Every vector file of kind block_hash_chain*: each case is a prompt and its hash chain.
+CHAIN_FILES = [
+    "sha256_cbor_text.json",
+    "sha256_cbor_extras_eraA.json",
+    "sha256_cbor_extras_eraB.json",
+    "sha256_cbor_extras_eraB2.json",
+    "sha256_cbor_extras_eraC.json",
+    "sha256_cbor_explicit_extra_keys.json",
+    "none_hash_and_unset_seed.json",
+    "sha256_pickle_text_optional.json",
+]
+
+
 
 @cache
 def vector(name: str) -> dict[str, Any]:

@@ -11,19 +11,8 @@ from typing import Any
 import pytest
 
 from daemon_harness import Daemon, make_file, resident_bytes
-from kv_vectors import one_group_layout, vector, versions_of
+from kv_vectors import CHAIN_FILES, one_group_layout, vector, versions_of
 from open_audit import OpenAudit
-
-CHAIN_FILES = [
-    "sha256_cbor_text.json",
-    "sha256_cbor_extras_eraA.json",
-    "sha256_cbor_extras_eraB.json",
-    "sha256_cbor_extras_eraB2.json",
-    "sha256_cbor_extras_eraC.json",
-    "sha256_cbor_explicit_extra_keys.json",
-    "none_hash_and_unset_seed.json",
-    "sha256_pickle_text_optional.json",
-]
 
 
 def test_every_chain_vector_through_the_resolve_op(daemon: Daemon) -> None:

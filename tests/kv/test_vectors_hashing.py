@@ -10,20 +10,9 @@ from typing import Any
 import cbor2
 import pytest
 
-from kv_vectors import one_group_layout, typed, vector, versions_of
+from kv_vectors import CHAIN_FILES, one_group_layout, typed, vector, versions_of
 from kvprefetchd import kv
 from kvprefetchd.kv import hashing
-
-CHAIN_FILES = [
-    "sha256_cbor_text.json",
-    "sha256_cbor_extras_eraA.json",
-    "sha256_cbor_extras_eraB.json",
-    "sha256_cbor_extras_eraB2.json",
-    "sha256_cbor_extras_eraC.json",
-    "sha256_cbor_explicit_extra_keys.json",
-    "none_hash_and_unset_seed.json",
-    "sha256_pickle_text_optional.json",
-]
 
 
 def chain_cases() -> list[Any]:

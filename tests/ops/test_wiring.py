@@ -61,14 +61,20 @@ def start_daemon(tmp_path: Path, *args: str) -> Daemon:
     return Daemon(tmp_path, *args)
 
 
-def test_the_daemon_notifies_ready_once_its_workers_booted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def notify_receiver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> socket.socket:
+    """A real datagram socket standing in for systemd's NOTIFY_SOCKET."""
     path = str(tmp_path / "notify")
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     receiver.bind(path)
     receiver.settimeout(5)
     monkeypatch.setenv("NOTIFY_SOCKET", path)
+    return receiver
+
+
+def test_the_daemon_notifies_ready_once_its_workers_booted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receiver = notify_receiver(tmp_path, monkeypatch)
     daemon = start_daemon(tmp_path)
     try:
         messages = []
@@ -85,11 +91,7 @@ def test_the_daemon_notifies_ready_once_its_workers_booted(
 def test_the_daemon_pings_the_watchdog_at_half_the_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = str(tmp_path / "notify")
-    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    receiver.bind(path)
-    receiver.settimeout(5)
-    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    receiver = notify_receiver(tmp_path, monkeypatch)
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")  # 1 s: a ping at least every 0.5 s
     daemon = start_daemon(tmp_path)  # WATCHDOG_PID unset: the daemon is the one meant
     try:
