@@ -343,7 +343,9 @@ class Supervisor:
         handle.sock.close()
         for request in self.books.fail_worker(handle.index):
             self.answer(request)
-        if not handle.ready or with_code == EXIT_BOOT_FAILED:
+        killed_by_signal = with_code is not None and with_code < 0
+        if with_code == EXIT_BOOT_FAILED or (not handle.ready and not killed_by_signal):
+            # Respawning would fail the same way, forever: stop with the reason instead.
             raise HaltError(f"worker {handle.index} could not boot (exit status {with_code})")
         if self.stopping:
             self.workers[handle.index] = None
