@@ -56,6 +56,9 @@ class Config:
 
     socket: str = field(default_factory=default_socket_path)
     socket_mode: int = 0o660
+    # Peers allowed besides the daemon's own user and the socket's group (SO_PEERCRED).
+    allowed_uids: tuple[int, ...] = ()
+    allowed_gids: tuple[int, ...] = ()
     roots: tuple[str, ...] = (DEFAULT_ROOT,)
     residency: str = "auto"
     residency_by_root: Mapping[str, str] = field(default_factory=dict)
@@ -160,6 +163,12 @@ def _check(key: str, value: Any) -> Any:
         if len(set(roots)) != len(roots):
             raise ConfigError("roots: a root is listed twice")
         return tuple(roots)
+    if key in ("allowed_uids", "allowed_gids"):
+        if isinstance(value, str) or not isinstance(value, list | tuple) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in value
+        ):
+            raise ConfigError(f"{key}: expected a list of numeric ids")
+        return tuple(value)
     if key == "residency_by_root":
         if not isinstance(value, Mapping):
             raise ConfigError("residency_by_root: expected a table of root = rule")

@@ -38,7 +38,9 @@ from kvprefetchd.confine import Roots
 from kvprefetchd.engines import NoEngine, engine_candidates
 from kvprefetchd.engines.base import Engine, EngineSettings
 from kvprefetchd.kvservice import KVService
+from kvprefetchd.peers import PeerPolicy, peer_of
 from kvprefetchd.protocol import (
+    FORBIDDEN,
     INTERNAL,
     OPS,
     OVERLOADED,
@@ -49,6 +51,7 @@ from kvprefetchd.protocol import (
     RequestError,
     WarmOptions,
     decode_payload,
+    encode_frame,
     error_reply,
     ok_reply,
     parse_paths,
@@ -131,6 +134,7 @@ class Supervisor:
             max_open_files=config.max_open_files,
         )
         self.books = Books(config.worker_count)
+        self.peer_policy: PeerPolicy | None = None  # made once the socket exists
         self.kv = KVService(
             config.models,
             kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens),
@@ -262,6 +266,7 @@ class Supervisor:
 
     def apply_config(self, config: Config) -> None:
         self.config = config
+        self.peer_policy = None  # rebuilt with the new allowed ids on the next connection
         self.limits = Limits(
             config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
         )
@@ -472,10 +477,35 @@ class Supervisor:
                 sock.close()
                 self.requests["connections_refused"] += 1
                 continue
+            if not self.peer_allowed(sock):
+                continue
             sock.setblocking(False)
             connection = Connection(sock, self.config.max_frame_bytes, self.config.max_output_bytes)
             self.connections[sock.fileno()] = connection
             self.selector.register(sock, selectors.EVENT_READ, connection)
+
+    def peer_allowed(self, sock: socket.socket) -> bool:
+        """Refuse a peer the policy does not name: one `forbidden` reply, then closed."""
+        try:
+            peer = peer_of(sock)
+        except OSError as error:
+            log.warning("cannot read a peer's credentials (%s); refused", error)
+            sock.close()
+            return False
+        if self.peer_policy is None:
+            self.peer_policy = PeerPolicy.default(
+                self.config.socket, self.config.allowed_uids, self.config.allowed_gids
+            )
+        if self.peer_policy.allows(peer):
+            return True
+        log.warning("refused a peer: pid %d uid %d is not allowed", peer.pid, peer.uid)
+        self.requests["peers_forbidden"] += 1
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            refusal = error_reply(None, FORBIDDEN, "this user may not use kvprefetchd")
+            sock.send(encode_frame(refusal))
+        sock.close()
+        return False
 
     def read_connection(self, connection: Connection) -> None:
         try:
