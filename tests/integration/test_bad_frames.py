@@ -101,3 +101,37 @@ def test_100000_mutated_frames_are_all_answered(daemon: Daemon) -> None:
     assert daemon.worker_pids() == pids
     stats = daemon.call("stats")["stats"]
     assert stats["worker_restarts"] == 0
+
+
+def test_a_client_that_never_reads_is_not_buffered_without_bound(daemon: Daemon) -> None:
+    stats = msgpack.packb({"v": 1, "id": 1, "op": "stats"}, use_bin_type=True)
+    frame = struct.pack(">I", len(stats)) + stats
+    hog = daemon.connect()
+    hog.sock.settimeout(0.2)
+    sent = 0
+    try:
+        while sent < 400 << 20:  # stop once the daemon stops taking requests
+            sent += hog.sock.send(frame * 256)
+    except TimeoutError:
+        pass
+    rss = daemon.call("stats")["stats"]["supervisor"]["rss_bytes"]
+    # Replies held for the hog stay near max_output_bytes (8 MiB), not the ~GBs asked for.
+    assert rss < 200 << 20, rss
+    assert sent < 400 << 20
+    assert daemon.call("ping")["ok"]  # everyone else is still served
+    hog.close()
+    assert daemon.call("ping")["ok"]
+
+
+def test_a_client_that_leaves_mid_request_changes_nothing(daemon: Daemon) -> None:
+    pids = daemon.worker_pids()
+    for _ in range(20):
+        connection = daemon.connect()
+        connection.send({"v": 1, "id": 1, "op": "prefetch", "wait": True,
+                         "paths": [str(daemon.root / f"{i}.bin") for i in range(200)]})
+        connection.sock.sendall(b"\x00\x00\x01\x00partial")  # and half a frame
+        connection.close()
+    assert daemon.call("ping")["ok"]
+    assert daemon.worker_pids() == pids
+    files = daemon.call("stats")["stats"]["files"]
+    assert files["accepted"] == 20 * 200
