@@ -34,7 +34,7 @@ class EngineSettings:
     max_open_files: int
 
 
-@dataclass
+@dataclass(slots=True)
 class WarmItem:
     """One head to warm: where it lives, how deep, and (for the worker) what it is known as."""
 
@@ -46,7 +46,7 @@ class WarmItem:
     received: float = 0.0  # monotonic time the worker got it: per-file latency starts here
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per file on the hot path: no frozen __setattr__ detour
 class Completion:
     item: WarmItem
     outcome: str
