@@ -29,10 +29,16 @@ s = socket.socket(socket.AF_UNIX)
 s.settimeout(10)
 s.connect(sys.argv[1])
 body = msgpack.packb({"v": 1, "id": 7, "op": "ping"})
-s.sendall(struct.pack(">I", len(body)) + body)
+try:
+    s.sendall(struct.pack(">I", len(body)) + body)
+except (BrokenPipeError, ConnectionResetError):
+    pass  # a refused peer may be closed before it writes: its forbidden reply is queued
 data = b""
 while True:
-    chunk = s.recv(65536)
+    try:
+        chunk = s.recv(65536)
+    except ConnectionResetError:
+        break
     if not chunk:
         break
     data += chunk
