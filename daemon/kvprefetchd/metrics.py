@@ -52,7 +52,6 @@ Integration in the supervisor (about fifteen lines)::
 from __future__ import annotations
 
 import contextlib
-import errno
 import ipaddress
 import itertools
 import logging
@@ -78,7 +77,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvprefetchd.protocol import OPS
-from kvprefetchd.server import listen_unix
+from kvprefetchd.server import accept_ready, listen_unix
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -700,21 +699,11 @@ class MetricsServer:
     # -- the work --
 
     def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as error:
-                if error.errno in (errno.EMFILE, errno.ENFILE, errno.ECONNABORTED):
-                    log.warning("metrics: cannot accept a connection: %s", error.strerror)
-                    return
-                raise
+        for sock in accept_ready(self.listener, "metrics"):
             if len(self.clients) >= self.max_clients or self.selector is None:
                 self.counts["refused"] += 1
                 sock.close()
                 continue
-            sock.setblocking(False)
             client = _Client(self, sock, self.clock() + self.deadline)
             self.clients[sock.fileno()] = client
             self.selector.register(sock, selectors.EVENT_READ, client)

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 from kvprefetchd.protocol import FrameReader, encode_frame
@@ -66,6 +67,28 @@ def listen_unix(path: str, mode: int, backlog: int = 512) -> socket.socket:
     sock.listen(backlog)
     sock.setblocking(False)
     return sock
+
+
+def accept_ready(listener: socket.socket, what: str) -> Iterator[socket.socket]:
+    """Every connection waiting on a non-blocking listener, as non-blocking sockets.
+
+    Running out of fds, or a peer that gave up before we accepted it, costs that
+    connection (logged), never the event loop that called us.
+    """
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as error:
+            if error.errno == errno.ECONNABORTED:
+                continue
+            if error.errno in (errno.EMFILE, errno.ENFILE):
+                log.warning("%s: cannot accept a connection: %s", what, error.strerror)
+                return
+            raise
+        sock.setblocking(False)
+        yield sock
 
 
 class Connection:

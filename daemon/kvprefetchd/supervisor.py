@@ -59,7 +59,7 @@ from kvprefetchd.protocol import (
     parse_warm_options,
 )
 from kvprefetchd.residency import RootRule, choose_rule
-from kvprefetchd.server import Connection, listen_unix
+from kvprefetchd.server import Connection, accept_ready, listen_unix
 from kvprefetchd.shard import shard_of
 from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
 
@@ -463,23 +463,13 @@ class Supervisor:
 
     def accept_connections(self) -> None:
         assert self.listener is not None
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as error:
-                if error.errno in (errno.EMFILE, errno.ENFILE):
-                    log.warning("cannot accept a connection: %s", error.strerror)
-                    return
-                raise
+        for sock in accept_ready(self.listener, "requests"):
             if len(self.connections) >= self.config.max_connections:
                 sock.close()
                 self.requests["connections_refused"] += 1
                 continue
             if not self.peer_allowed(sock):
                 continue
-            sock.setblocking(False)
             connection = Connection(sock, self.config.max_frame_bytes, self.config.max_output_bytes)
             self.connections[sock.fileno()] = connection
             self.selector.register(sock, selectors.EVENT_READ, connection)
