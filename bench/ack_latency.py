@@ -169,11 +169,17 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
+CDF_POINTS = (*range(0, 100, 2), 99, 99.5, 99.9, 100)
+
+
 def summarize(samples_ns: list[int]) -> dict[str, Any]:
+    """Percentiles, and the CDF at CDF_POINTS (percent -> µs) for plots."""
     us = sorted(s / 1000 for s in samples_ns)
     return {"n": len(us), "p50_us": percentile(us, 0.50), "p99_us": percentile(us, 0.99),
             "p999_us": percentile(us, 0.999), "mean_us": statistics.fmean(us),
-            "max_us": us[-1]}
+            "max_us": us[-1],
+            "cdf_us": [[q, round(percentile(us, q / 100) if q else us[0], 1)]
+                       for q in CDF_POINTS]}
 
 
 def drain(daemon: Daemon, limit: float = 120.0) -> float:
@@ -232,6 +238,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve_echo:
         serve_echo(args.serve_echo)
         return 0
+    out = run(args)
+    (args.out / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(table(out))
+    print(f"\nresults: {args.out / 'results.json'}")
+    return 0 if out["daemon"]["dropped"] == 0 else 1
+
+
+def run(args: argparse.Namespace,
+        on_step: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """Every mode and size; the results. on_step(mode, size) after each, for progress."""
     sizes = [int(x) for x in args.sizes.split(",")]
     counts = [int(x) for x in args.requests.split(",")]
     if len(counts) != len(sizes):
@@ -323,7 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     entry[client]["ratio_daemon_to_echo"] = {
                         k: d[k] / e[k] for k in ("p50_us", "p99_us", "p999_us")}
                 results[mode][str(size)] = entry
-                print(f"{mode}: {size} paths done", file=sys.stderr)
+                if on_step is not None:
+                    on_step(mode, size)
+                else:
+                    print(f"{mode}: {size} paths done", file=sys.stderr)
         poller.close()
         drained_s += drain(daemon)
         cpu1 = daemon.cpu()
@@ -337,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
 
-    out = {
+    out: dict[str, Any] = {
         "benchmark": "ack_latency",
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -362,10 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "sizes": results[mode]}
             for mode in modes},
     }
-    (args.out / "results.json").write_text(json.dumps(out, indent=1) + "\n")
-    print(table(out))
-    print(f"\nresults: {args.out / 'results.json'}")
-    return 0 if dropped == 0 else 1
+    return out
 
 
 def table(out: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ would flatter every method) and varied (every 1 MiB chunk starts with its own
 file/offset stamp, so no two chunks are identical to a deduplicating backend), but
 cheap to write: the random bytes come from a small pool generated once from the seed.
 
-    .venv/bin/python bench/datasets.py 2000x4MiB 20000x256KiB     # create, print roots
+    .venv/bin/python bench/datasets.py 2000x4MiB 20000x256KiB mixed:3000   # create, print roots
     .venv/bin/python bench/datasets.py --list 200x4MiB | head      # print the paths
 """
 
@@ -36,6 +36,13 @@ POOL_BLOCKS = 8
 BLOCK = 1 << 20
 STAMP = 32  # bytes at the start of every chunk that make it unique
 MANIFEST = "manifest.json"
+# The mixed tree: (model, tensor-parallel ranks, KV groups) and the file sizes drawn.
+# Sizes differ by model and block size in practice: 256 KiB (a small model, 16-token
+# blocks) to 8 MiB (a large model, big blocks); ranks and groups as TP and hybrid models
+# lay them out (spec/kv-file-layout.md §5.1: _r<rank>, _g<group>).
+MIXED_LAYOUT = (("Qwen/Qwen3-8B", 1, 1), ("meta-llama/Llama-3.1-70B-Instruct", 4, 1),
+                ("google/gemma-3-27b-it", 2, 2))
+MIXED_SIZES = (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gib": 1 << 30}
@@ -58,41 +65,77 @@ def format_size(size: int) -> str:
 
 @dataclass(frozen=True)
 class Dataset:
-    """A generated set: `count` files of `size` bytes under `root`, named from `seed`."""
+    """A generated set: `count` files under `root`, named from `seed`.
+
+    Uniform (`COUNTxSIZE`): every file `size` bytes under one model directory, rank 0.
+    Mixed (`mixed:COUNT`): the tree a host serving several deployments sees: files of
+    the sizes in MIXED_SIZES spread over the models, ranks and groups of MIXED_LAYOUT,
+    each file's size and place drawn from the seed. `size` is then the smallest size,
+    the most a head may ask for every file.
+    """
 
     count: int
     size: int
     seed: int
     root: Path
+    mixed: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.count}x{format_size(self.size)}"
+        return f"mixed{self.count}" if self.mixed else f"{self.count}x{format_size(self.size)}"
 
     @property
     def model_dir(self) -> Path:
-        fingerprint = hashlib.sha256(f"kvbench:{self.seed}:{self.name}".encode()).hexdigest()[:12]
-        return self.root / f"{MODEL.replace('/', '_')}_{fingerprint}_r0"
+        """The one model directory of a uniform set (the root of a mixed one)."""
+        return self.root if self.mixed else self._model_dir(MODEL, 0)
+
+    def _model_dir(self, model: str, rank: int) -> Path:
+        fingerprint = hashlib.sha256(f"kvbench:{self.seed}:{self.name}:{model}".encode()) \
+            .hexdigest()[:12] if self.mixed else \
+            hashlib.sha256(f"kvbench:{self.seed}:{self.name}".encode()).hexdigest()[:12]
+        return self.root / f"{model.replace('/', '_')}_{fingerprint}_r{rank}"
+
+    def _digest(self, index: int) -> str:
+        return hashlib.sha256(f"kvbench:{self.seed}:{self.name}:{index}".encode()).hexdigest()
+
+    def size_of(self, index: int) -> int:
+        if not self.mixed:
+            return self.size
+        return MIXED_SIZES[int(self._digest(index)[-8:], 16) % len(MIXED_SIZES)]
 
     def paths(self) -> list[str]:
         """Every file, in generation order (a stable order the benchmarks can rely on)."""
         out = []
-        base = self.model_dir
         for index in range(self.count):
-            h = hashlib.sha256(f"kvbench:{self.seed}:{self.name}:{index}".encode()).hexdigest()
-            out.append(str(base / h[0:3] / f"{h[3:5]}_g0" / f"{h}.bin"))
+            h = self._digest(index)
+            if self.mixed:
+                pick = int(h[-16:-8], 16)
+                model, ranks, groups = MIXED_LAYOUT[pick % len(MIXED_LAYOUT)]
+                base = self._model_dir(model, (pick >> 4) % ranks)
+                group = (pick >> 8) % groups
+            else:
+                base, group = self.model_dir, 0
+            out.append(str(base / h[0:3] / f"{h[3:5]}_g{group}" / f"{h}.bin"))
         return out
 
     @property
     def total_bytes(self) -> int:
-        return self.count * self.size
+        return sum(self.size_of(i) for i in range(self.count))
 
 
 def dataset(spec: str, seed: int = DEFAULT_SEED, base: Path = DEFAULT_BASE) -> Dataset:
-    """Parse 'COUNTxSIZE' (e.g. '2000x4MiB') into a Dataset rooted under base."""
-    match = re.fullmatch(r"(\d+)x(.+)", spec.strip())
+    """Parse 'COUNTxSIZE' (e.g. '2000x4MiB') or 'mixed:COUNT' into a Dataset under base."""
+    spec = spec.strip()
+    if (mixed := re.fullmatch(r"mixed:(\d+)", spec)) is not None:
+        count = int(mixed.group(1))
+        if count < 1:
+            raise ValueError(f"dataset spec {spec!r}: count must be positive")
+        return Dataset(count, min(MIXED_SIZES), seed, Path(base) / f"ds-mixed{count}-seed{seed}",
+                       mixed=True)
+    match = re.fullmatch(r"(\d+)x(.+)", spec)
     if not match:
-        raise ValueError(f"dataset spec {spec!r} is not COUNTxSIZE, e.g. 2000x4MiB")
+        raise ValueError(f"dataset spec {spec!r} is neither COUNTxSIZE (e.g. 2000x4MiB) "
+                         "nor mixed:COUNT")
     count, size = int(match.group(1)), parse_size(match.group(2))
     if count < 1 or size < 1:
         raise ValueError(f"dataset spec {spec!r}: count and size must be positive")
@@ -132,11 +175,11 @@ def is_complete(ds: Dataset, paths: Sequence[str] | None = None) -> bool:
     except (OSError, ValueError):
         return False
     if manifest.get("count") != ds.count or manifest.get("size") != ds.size \
-            or manifest.get("seed") != ds.seed:
+            or manifest.get("seed") != ds.seed or manifest.get("mixed", False) != ds.mixed:
         return False
-    for path in paths if paths is not None else ds.paths():
+    for index, path in enumerate(paths if paths is not None else ds.paths()):
         try:
-            if os.stat(path).st_size != ds.size:
+            if os.stat(path).st_size != ds.size_of(index):
                 return False
         except OSError:
             return False
@@ -154,25 +197,29 @@ def ensure(ds: Dataset, *, quiet: bool = False) -> list[str]:
         return paths
     started = time.monotonic()
     pool = _pool(ds.seed)
-    written = 0
+    written = written_bytes = 0
     for index, path in enumerate(paths):
+        size = ds.size_of(index)
         try:
-            if os.stat(path).st_size == ds.size:
+            if os.stat(path).st_size == size:
                 continue
         except FileNotFoundError:
             pass
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_file(path, ds.size, index, pool)
+        _write_file(path, size, index, pool)
         written += 1
+        written_bytes += size
         if not quiet and written % 1000 == 0:
             print(f"  {ds.name}: {written} files written", file=sys.stderr)
     os.sync()  # dirty pages cannot be dropped: the cold step needs them on disk
     (ds.root / MANIFEST).write_text(json.dumps(
-        {"count": ds.count, "size": ds.size, "seed": ds.seed, "model": MODEL,
-         "layout": "<root>/<safe_model>_<fp12>_r0/<h[0:3]>/<h[3:5]>_g0/<h>.bin"},
+        {"count": ds.count, "size": ds.size, "seed": ds.seed, "mixed": ds.mixed,
+         "models": [m for m, _, _ in MIXED_LAYOUT] if ds.mixed else [MODEL],
+         "total_bytes": ds.total_bytes,
+         "layout": "<root>/<safe_model>_<fp12>_r<rank>/<h[0:3]>/<h[3:5]>_g<group>/<h>.bin"},
         indent=1) + "\n")
     if not quiet:
-        print(f"  {ds.name}: wrote {written} files ({written * ds.size / 1e9:.2f} GB) in "
+        print(f"  {ds.name}: wrote {written} files ({written_bytes / 1e9:.2f} GB) in "
               f"{time.monotonic() - started:.1f} s under {ds.root}", file=sys.stderr)
     return paths
 
@@ -180,7 +227,8 @@ def ensure(ds: Dataset, *, quiet: bool = False) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("specs", nargs="+", metavar="COUNTxSIZE", help="e.g. 2000x4MiB")
+    parser.add_argument("specs", nargs="+", metavar="SPEC",
+                        help="COUNTxSIZE (e.g. 2000x4MiB) or mixed:COUNT")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--base", type=Path, default=DEFAULT_BASE,
                         help=f"parent directory of the datasets (default {DEFAULT_BASE})")

@@ -21,6 +21,11 @@ What is compared, on the same files, in the same run:
   workers fed through a queue of 256; 32: more threads) of open + FADV_RANDOM + pread.
 - none: no warm-up; only the consumer read on the cold set (the baseline).
 
+--workers 2,1 also runs each engine's daemon with 1 worker, as kvprefetchd-<engine>-1w.
+--state warm runs every method on a set whose heads were read and verified resident
+just before it (instead of cold): how fast is the skip. The daemon's dedup memory
+is off in that state, so each file pays the real residency check.
+
 Every repetition runs every method in a freshly shuffled order, each on a set made
 cold just before it (drop_caches + settle as root, see cold.py), because on this VM
 absolute times drift with the host: ratios between methods of the same repetition
@@ -78,9 +83,14 @@ FIO_LINE_CHARS = 3900  # fio refuses an option value over 4096 chars (parse.c OP
 FIO_OPEN_FILES = 1024  # as the daemon's max_open_files and uring_heads -o; NOFILE is 20000 here
 
 
-def all_methods(engines: Sequence[str]) -> list[str]:
-    return [DAEMON_PREFIX + e for e in engines] + list(TOOL_METHODS) + list(POOL_METHODS) \
-        + [BASELINE]
+def daemon_method(engine: str, workers: int, primary: int) -> str:
+    """kvprefetchd-<engine> with the primary worker count, kvprefetchd-<engine>-<n>w else."""
+    return DAEMON_PREFIX + engine + ("" if workers == primary else f"-{workers}w")
+
+
+def all_methods(engines: Sequence[str], workers: Sequence[int] = (2,)) -> list[str]:
+    daemons = [daemon_method(e, w, workers[0]) for w in workers for e in engines]
+    return daemons + list(TOOL_METHODS) + list(POOL_METHODS) + [BASELINE]
 
 
 # ---- measuring helpers ------------------------------------------------------------------
@@ -205,6 +215,7 @@ def residency_profile(paths: Sequence[str], head: int) -> dict[str, Any]:
 @dataclass
 class Daemon:
     engine: str
+    workers: int
     socket: str
     process: subprocess.Popen[bytes]
     log: Path
@@ -233,14 +244,17 @@ class Daemon:
 
 
 def start_daemon(engine: str, root: Path, head: int, files: int, workers: int,
-                 workdir: Path, logdir: Path) -> Daemon:
+                 workdir: Path, logdir: Path, *, dedup: bool = True) -> Daemon:
     """One daemon for one engine, configured so a whole set fits in its queues.
 
     queue_limit is per worker and 8192 by default: a burst of 20,000 files over two
     workers would drop ~1,800 files, which measures the queue, not the warm-up.
+    dedup=False turns the worker's memory of recently warmed files off, so a request
+    for resident files pays the real residency check every time (the warm state).
     """
-    sock = workdir / f"kvp-{engine}.sock"
-    config = workdir / f"kvp-{engine}.toml"
+    name = f"{engine}-{workers}w"
+    sock = workdir / f"kvp-{name}.sock"
+    config = workdir / f"kvp-{name}.toml"
     config.write_text("\n".join([
         f'socket = "{sock}"',
         f'roots = ["{root}"]',
@@ -250,14 +264,15 @@ def start_daemon(engine: str, root: Path, head: int, files: int, workers: int,
         f"max_read_bytes = {max(head, 64 << 20)}",
         f"queue_limit = {max(8192, files + 1024)}",
         f"max_paths_per_request = {max(100_000, files)}",
+        *([] if dedup else ["dedup_ttl_ms = 0"]),
         'log_level = "warning"',
     ]) + "\n")
-    log = logdir / f"daemon-{engine}.log"
+    log = logdir / f"daemon-{name}.log"
     with open(log, "wb") as handle:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvprefetchd", "--config", str(config)],
             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-    daemon = Daemon(engine, str(sock), process, log)
+    daemon = Daemon(engine, workers, str(sock), process, log)
     deadline = time.monotonic() + 30
     while True:
         if process.poll() is not None:
@@ -325,6 +340,7 @@ class Env:
     daemons: dict[str, Daemon]
     prefetch: Callable[[str, Sequence[str], int, int], list[dict[str, Any]]]
     chunk_paths: int
+    state: str = "cold"
 
 
 def run_tool(argv: list[str]) -> tuple[float, float, str]:
@@ -338,8 +354,8 @@ def run_tool(argv: list[str]) -> tuple[float, float, str]:
     return wall, children_cpu() - cpu0, done.stdout
 
 
-def warm_daemon(env: Env, engine: str) -> dict[str, Any]:
-    daemon = env.daemons[engine]
+def warm_daemon(env: Env, method: str) -> dict[str, Any]:
+    daemon = env.daemons[method]
     stats0 = daemon.stats()
     workers0, super0 = daemon.cpu()
     started = time.perf_counter()
@@ -366,7 +382,9 @@ def warm_daemon(env: Env, engine: str) -> dict[str, Any]:
             "rejected": rejected,
             "bytes_read": stats1["bytes_read"] - stats0["bytes_read"],
         },
-        "ok": dropped == 0 and rejected == 0 and outcomes.get("read", 0) == len(env.paths),
+        # cold: every head read; warm: every head found resident and skipped
+        "ok": dropped == 0 and rejected == 0
+        and outcomes.get("read" if env.state == "cold" else "resident", 0) == len(env.paths),
     }
 
 
@@ -440,7 +458,7 @@ def warm_pool(env: Env, threads: int) -> dict[str, Any]:
 
 def warm(env: Env, method: str) -> dict[str, Any]:
     if method.startswith(DAEMON_PREFIX):
-        return warm_daemon(env, method[len(DAEMON_PREFIX):])
+        return warm_daemon(env, method)
     if method == "vmtouch":
         return warm_vmtouch(env)
     if method == "fio":
@@ -534,8 +552,13 @@ def measure(env: Env, method: str, args: argparse.Namespace, stat: Path | None,
     """
     files = len(env.paths)
     own = drop_count()
-    report = cold.make_cold(env.paths, args.cold, args.settle, 64, args.seed + rep)
-    own += report.method.startswith("drop")
+    if env.state == "cold":
+        report = cold.make_cold(env.paths, args.cold, args.settle, 64, args.seed + rep)
+        own += report.method.startswith("drop")
+        prepared, prepared_report = report.cold, report.as_dict()
+    else:
+        prepared_report = make_resident(env.paths, env.head, sample)
+        prepared = prepared_report["resident"]
     waited, quiet = wait_quiet(stat, args.quiet_wait, own) if args.quiet_wait > 0 \
         else (0.0, True)
     drops0 = drop_count()
@@ -567,8 +590,11 @@ def measure(env: Env, method: str, args: argparse.Namespace, stat: Path | None,
         interference.append(f"the disk or drop_caches never went quiet in {waited:.0f} s")
     return {
         "rep": rep,
-        "cold": report.cold,
-        "cold_report": report.as_dict(),
+        "state": env.state,
+        # the set was verified cold (or, in the warm state, resident) before the method
+        "cold": prepared if env.state == "cold" else False,
+        "prepared": prepared,
+        "cold_report": prepared_report,
         "waited_for_quiet_s": round(waited, 2),
         "warm_s": result["seconds"],
         "consumer_s": consumer_s,
@@ -581,9 +607,27 @@ def measure(env: Env, method: str, args: argparse.Namespace, stat: Path | None,
         "consumer_disk_read_bytes": disk2 - disk1,
         "resident": resident,
         "interference": interference,
-        "ok": bool(result["ok"]) and report.cold and consumed == files * env.head,
+        "ok": bool(result["ok"]) and prepared and consumed == files * env.head,
         "detail": result["detail"],
     }
+
+
+def make_resident(paths: Sequence[str], head: int, sample: Sequence[str]) -> dict[str, Any]:
+    """The warm state: read every head (the consumer's read), then verify on the sample.
+
+    Read pages stay about a minute on this VM before the host's reclaimer takes them;
+    a run follows within seconds, and a head found short is read again once.
+    """
+    started = time.monotonic()
+    consume(paths, head)
+    profile = residency_profile(sample, head)
+    if profile["head_bytes_per_file"] < head:
+        consume(sample, head)
+        profile = residency_profile(sample, head)
+    return {"method": "read", "seconds": round(time.monotonic() - started, 3),
+            "sampled_files": profile["sampled_files"],
+            "head_bytes_per_file": profile["head_bytes_per_file"],
+            "resident": profile["head_bytes_per_file"] >= 0.99 * head}
 
 
 def median(values: Sequence[float]) -> float | None:
@@ -720,7 +764,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="daemon engines to compare (default %(default)s)")
     parser.add_argument("--methods", default="all",
                         help="comma-separated subset of the methods (default: all)")
-    parser.add_argument("--workers", type=int, default=2, help="daemon workers (default 2)")
+    parser.add_argument("--workers", default="2",
+                        help="daemon workers; a list (2,1) also runs each engine with the "
+                        "others, as kvprefetchd-<engine>-<n>w (default %(default)s)")
+    parser.add_argument("--state", choices=("cold", "warm"), default="cold",
+                        help="cold: each method starts on a set verified cold; warm: on a "
+                        "set whose heads are verified resident (the skip; the daemon's "
+                        "dedup memory is off so it checks residency every time)")
     parser.add_argument("--chunk-paths", type=int, default=1000,
                         help="paths per pipelined request (0: one request; default 1000)")
     parser.add_argument("--client", choices=("auto", "kvprefetch", "raw"), default="auto",
@@ -741,20 +791,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "(default %(default)s)")
     parser.add_argument("--order-seed", type=int, default=0,
                         help="seed of the per-repetition shuffle")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the daemons we started are stopped, not orphaned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+OnRun = Callable[[str, int, dict[str, Any]], None]
+
+
+def run(args: argparse.Namespace, on_run: OnRun | None = None) -> dict[str, Any]:
+    """Every repetition of every method; the results (see module docstring). on_run is
+    called after each kept run with (method, repetition, run), for progress displays."""
     ds = datasets.dataset(args.dataset, args.seed, args.base)
-    paths = datasets.ensure(ds)
+    paths = datasets.ensure(ds, quiet=args.quiet)
     head = ds.size if args.head == "whole" else datasets.parse_size(args.head)
     if head > ds.size:
-        raise SystemExit(f"--head {args.head} is larger than the files ({ds.size} bytes)")
+        raise SystemExit(f"--head {args.head} is larger than the smallest file "
+                         f"({ds.size} bytes)")
+    if args.head == "whole" and ds.mixed:
+        raise SystemExit("--head whole needs files of one size")
     engines = [e for e in args.engines.split(",") if e]
-    methods = all_methods(engines)
+    worker_counts = [int(w) for w in str(args.workers).split(",") if w]
+    methods = all_methods(engines, worker_counts)
     if args.methods != "all":
         wanted = [m for m in args.methods.split(",") if m]
         unknown = set(wanted) - set(methods)
@@ -767,6 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     client_kind, prefetch = make_prefetcher(args.client)
     sample = cold.sample(paths, args.residency_sample, args.seed)
     stat = disk_stat_path(paths[0])
+    say = (lambda _text: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
 
     workdir = Path(tempfile.mkdtemp(prefix="kvbench-"))
     daemons: dict[str, Daemon] = {}
@@ -789,12 +847,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             fio_job=fio_jobfile(paths, head, ds.model_dir, workdir / "heads.fio")
             if "fio" in active else None,
             uring_heads=uring_heads,
-            daemons=daemons, prefetch=prefetch, chunk_paths=args.chunk_paths)
-        for method in active:
-            if method.startswith(DAEMON_PREFIX):
-                engine = method[len(DAEMON_PREFIX):]
-                daemons[engine] = start_daemon(engine, ds.root, head, len(paths), args.workers,
-                                               workdir, args.out)
+            daemons=daemons, prefetch=prefetch, chunk_paths=args.chunk_paths,
+            state=args.state)
+        for engine in engines:
+            for workers in worker_counts:
+                method = daemon_method(engine, workers, worker_counts[0])
+                if method in active:
+                    daemons[method] = start_daemon(engine, ds.root, head, len(paths), workers,
+                                                   workdir, args.out,
+                                                   dedup=args.state == "cold")
         for rep in range(args.reps):
             order = list(active)
             random.Random(args.order_seed * 1000 + rep).shuffle(order)
@@ -802,31 +863,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             for position, method in enumerate(order):
                 discarded: list[dict[str, Any]] = []
                 while True:
-                    run = measure(env, method, args, stat, sample, rep)
-                    run["position"] = position
+                    one = measure(env, method, args, stat, sample, rep)
+                    one["position"] = position
                     out_of_time = time.time() - started > args.retry_minutes * 60
-                    if not run["interference"] or len(discarded) >= args.retries \
+                    if not one["interference"] or len(discarded) >= args.retries \
                             or out_of_time:
                         break
-                    discarded.append(run)
-                    print(f"rep {rep} #{position} {method:22s} disturbed "
-                          f"({'; '.join(run['interference'])}): again", file=sys.stderr)
-                run["discarded"] = discarded
-                cold_reports.append({"rep": rep, "method": method, **run.pop("cold_report")})
+                    discarded.append(one)
+                    say(f"rep {rep} #{position} {method:22s} disturbed "
+                        f"({'; '.join(one['interference'])}): again")
+                one["discarded"] = discarded
+                cold_reports.append({"rep": rep, "method": method, **one.pop("cold_report")})
                 for attempt in discarded:
                     attempt.pop("cold_report", None)
-                runs[method].append(run)
-                note = "; ".join(run["interference"])
-                print(f"rep {rep} #{position} {method:22s} warm "
-                      f"{fmt(run['warm_s'], '.3f')} s  consumer {run['consumer_s']:.3f} s"
-                      f"{'' if run['ok'] else '  (!) ' + json.dumps(run['detail'])}"
-                      f"{'  disturbed: ' + note if note else ''}", file=sys.stderr)
+                runs[method].append(one)
+                note = "; ".join(one["interference"])
+                say(f"rep {rep} #{position} {method:22s} warm "
+                    f"{fmt(one['warm_s'], '.3f')} s  consumer {one['consumer_s']:.3f} s"
+                    f"{'' if one['ok'] else '  (!) ' + json.dumps(one['detail'])}"
+                    f"{'  disturbed: ' + note if note else ''}")
+                if on_run is not None:
+                    on_run(method, rep, one)
     finally:
         for daemon in daemons.values():
             daemon.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    results = {
+    return {
         "benchmark": "warmup",
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -835,21 +898,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "mem_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
                     "loadavg_at_start": os.getloadavg(), "euid": os.geteuid()},
         "dataset": {"name": ds.name, "root": str(ds.root), "files": len(paths),
-                    "file_bytes": ds.size, "seed": ds.seed},
+                    "file_bytes": ds.size, "total_file_bytes": ds.total_bytes,
+                    "mixed": ds.mixed, "seed": ds.seed},
+        "state": args.state,
         "head_bytes": head,
         "reps": args.reps,
-        "workers": args.workers,
+        "workers": worker_counts[0],
+        "worker_counts": worker_counts,
         "chunk_paths": args.chunk_paths,
         "client": client_kind,
-        "cold": {"method": args.cold, "settle_s": args.settle, "checks": cold_reports},
+        "cold": {"method": args.cold if args.state == "cold" else "none: the warm state",
+                 "settle_s": args.settle, "checks": cold_reports},
         "orders": orders,
         "ratios": "paired: the median over repetitions of method/reference in the same "
                   "repetition; below 1 is faster than the reference",
         "methods": summarize(methods, runs, len(paths), head, skipped),
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the daemons we started are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results = run(args)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{ds.name}, head {datasets.format_size(head)}, {args.reps} reps, "
-          f"{args.workers} workers, client {client_kind}, cold {args.cold} "
+    print(f"\n{results['dataset']['name']} ({results['state']}), head "
+          f"{datasets.format_size(results['head_bytes'])}, {args.reps} reps, "
+          f"{args.workers} workers, client {results['client']}, cold {args.cold} "
           f"(settle {args.settle:g} s); medians, ratios paired per repetition:")
     print(table(results))
     print(f"\nresults: {args.out / 'results.json'}")

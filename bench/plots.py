@@ -1,0 +1,104 @@
+"""The suite's two pictures: throughput per method, and ack latency CDFs.
+
+throughput.png: one panel per warm-up scenario; per method, GB/s of heads warmed (solid)
+and of warm-up + the consumer's read (hatched: what a reader of the files sees). fio and
+vmtouch are drawn in grey so the eye finds the references. latency_cdf.png: for each
+request size, the daemon's ack latency against the echo floor, log scale; plus the
+router-like load when it ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a server, and no Tk import
+
+import datasets
+import matplotlib.pyplot as plt
+
+COLORS = {"daemon": "#1f6feb", "tool": "#8b949e", "python": "#d29922", "baseline": "#6e7781"}
+
+
+def throughput(results: dict[str, Any], path: Path) -> bool:
+    warmups = [s for s in results["scenarios"] if s["kind"] == "warmup"]
+    if not warmups:
+        return False
+    rows = max(len([m for m in s["methods"].values() if "gb_s" in m]) for s in warmups)
+    fig, axes = plt.subplots(1, len(warmups), figsize=(5.2 * len(warmups), 0.42 * rows + 1.6),
+                             squeeze=False)
+    for ax, scenario in zip(axes[0], warmups, strict=True):
+        names, solid, hatched, colors = [], [], [], []
+        for name, m in scenario["methods"].items():
+            if m.get("gb_s") is None or name == "none":
+                continue
+            names.append(name)
+            solid.append(m["gb_s"])
+            total = m["total_s"]
+            hatched.append(m["bytes"] / 1e9 / total if total else 0.0)
+            colors.append(COLORS.get(m["kind"], "#444"))
+        y = list(range(len(names)))
+        ax.barh([i - 0.2 for i in y], solid, height=0.38, color=colors, label="warm-up")
+        ax.barh([i + 0.2 for i in y], hatched, height=0.38, color=colors, alpha=0.45,
+                hatch="///", label="warm-up + consumer read")
+        ax.set_yticks(y, names, fontsize=8)
+        ax.invert_yaxis()
+        s = scenario["settings"]
+        ax.set_title(f"{s['dataset']} {scenario['state']}, head "
+                     f"{datasets.format_size(s['head_bytes'])}", fontsize=9)
+        ax.set_xlabel("GB/s of heads (median)", fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"kvprefetchd vs fio, vmtouch and a 16-thread pread pool "
+                 f"({results['started'][:10]}, {results['machine']['cpus']} CPUs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def latency_cdf(results: dict[str, Any], path: Path) -> bool:
+    ack = next((s for s in results["scenarios"] if s["kind"] == "ack_latency"), None)
+    load = next((s for s in results["scenarios"] if s["kind"] == "router_load"), None)
+    if ack is None and load is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    if ack is not None:
+        mode = "idle" if "idle" in ack["results"] else next(iter(ack["results"]))
+        client = ack["settings"]["clients"][0]
+        styles = ["-", "--", ":", "-."]
+        for index, (size, per_client) in enumerate(ack["results"][mode].items()):
+            style = styles[index % len(styles)]
+            for target, color in (("daemon", COLORS["daemon"]), ("echo", COLORS["tool"])):
+                cdf = per_client[client][target]["cdf_us"]
+                ax.plot([us for _, us in cdf], [q / 100 for q, _ in cdf], style, color=color,
+                        label=f"{target}, {size} path{'' if size == '1' else 's'}")
+    if load is not None:
+        cdf = load["latency"]["cdf_us"]
+        s = load["settings"]
+        ax.plot([us for _, us in cdf], [q / 100 for q, _ in cdf], "-", color="#cf222e",
+                label=f"router load: {s['clients']} clients, concurrent")
+    ax.set_xscale("log")
+    ax.set_xlabel("ack latency, µs (send to reply parsed)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.01)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("fire-and-forget prefetch: kvprefetchd against a msgpack echo floor",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def draw(results: dict[str, Any], out: Path) -> list[str]:
+    """Draw what the results hold; the names of the files written."""
+    written = []
+    for name, painter in (("throughput.png", throughput), ("latency_cdf.png", latency_cdf)):
+        if painter(results, out / name):
+            written.append(name)
+    return written
