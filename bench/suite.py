@@ -138,13 +138,16 @@ def load_argv(spec: dict[str, Any], base: Path, out: Path) -> list[str]:
 
 
 class Progress:
-    """A rich progress bar when rich is importable and stderr is a terminal, else lines."""
+    """A rich progress bar on a terminal; elsewhere (CI, nohup, a pipe) one line per step,
+    which a log keeps and a live bar would not."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.done = 0
         self._bar: Any = None
         self._task: Any = None
+        if not sys.stderr.isatty():
+            return
         try:
             from rich.progress import (
                 BarColumn,
@@ -156,9 +159,12 @@ class Progress:
             from rich.progress import Progress as RichProgress
         except ImportError:
             return
+        from rich.console import Console
+
         self._bar = RichProgress(TextColumn("[bold]{task.description:<40}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TimeRemainingColumn(), transient=False)
+                                 TimeRemainingColumn(), console=Console(stderr=True),
+                                 transient=False)
 
     @contextmanager
     def running(self) -> Iterator[Progress]:
@@ -173,8 +179,10 @@ class Progress:
         self.done += advance
         if self._bar is not None:
             self._bar.update(self._task, advance=advance, description=description)
-        else:
-            print(f"[{self.done}/{self.total}] {description}", file=sys.stderr, flush=True)
+        elif advance:
+            stamp = time.strftime("%H:%M:%S")
+            print(f"{stamp} [{self.done}/{self.total}] {description}", file=sys.stderr,
+                  flush=True)
 
     def finish_phase(self, target: int, description: str) -> None:
         """Skipped methods never report: move to where this phase was planned to end."""
