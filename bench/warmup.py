@@ -382,10 +382,24 @@ def warm_daemon(env: Env, method: str) -> dict[str, Any]:
             "rejected": rejected,
             "bytes_read": stats1["bytes_read"] - stats0["bytes_read"],
         },
-        # cold: every head read; warm: every head found resident and skipped
-        "ok": dropped == 0 and rejected == 0
-        and outcomes.get("read" if env.state == "cold" else "resident", 0) == len(env.paths),
+        "ok": dropped == 0 and rejected == 0 and settled_as_expected(env, outcomes),
     }
+
+
+# The host's reclaimer may take a few verified-resident heads between the warm state's
+# check and the request (pages read once can go within seconds here): the daemon then
+# rightly reads them again. Up to this share of such re-reads still makes a clean run.
+WARM_REREAD_TOLERANCE = 0.03
+
+
+def settled_as_expected(env: Env, outcomes: dict[str, int]) -> bool:
+    """Cold: every head read. Warm: every head found resident and skipped, but for the
+    few the reclaimer took meanwhile, which are read."""
+    files = len(env.paths)
+    if env.state == "cold":
+        return outcomes.get("read", 0) == files
+    resident, read = outcomes.get("resident", 0), outcomes.get("read", 0)
+    return resident + read == files and read <= WARM_REREAD_TOLERANCE * files
 
 
 def warm_vmtouch(env: Env) -> dict[str, Any]:

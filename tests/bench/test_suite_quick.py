@@ -97,6 +97,7 @@ def test_warmup_scenarios_are_consistent(quick: tuple[dict[str, Any], Path]) -> 
 
 def test_the_raw_daemon_runs_read_or_skip_every_file(quick: tuple[dict[str, Any], Path]) -> None:
     """Cold: every head read; warm: every head found resident (the skip), none dropped."""
+    # (a run whose status is not "ok" already failed test_warmup_scenarios_are_consistent)
     results, out = quick
     for scenario in (s for s in results["scenarios"] if s["kind"] == "warmup"):
         raw = json.loads((out / scenario["raw"]).read_text())
@@ -109,8 +110,13 @@ def test_the_raw_daemon_runs_read_or_skip_every_file(quick: tuple[dict[str, Any]
                 detail = run["detail"]
                 assert detail["dropped"] == 0 and detail["rejected"] == 0
                 counted = {k: v for k, v in detail["outcomes"].items() if v}
-                assert counted == {want: raw["dataset"]["files"]}, \
-                    (scenario["name"], method, detail["outcomes"])
+                files = raw["dataset"]["files"]
+                if want == "read":
+                    assert counted == {"read": files}, (scenario["name"], method, counted)
+                else:  # the host's reclaimer may take a verified head before the request
+                    assert set(counted) <= {"read", "resident"}, (method, counted)
+                    assert sum(counted.values()) == files, (method, counted)
+                    assert counted.get("read", 0) <= max(1, 0.03 * files), (method, counted)
 
 
 def test_ack_latency_percentiles_are_ordered(quick: tuple[dict[str, Any], Path]) -> None:
