@@ -157,8 +157,7 @@ def warmup_rows(scenario: dict[str, Any], *, every: bool) -> Iterable[list[str]]
             _f(m["ratio_to_fio"], ".2f"), _f(m["ratio_to_vmtouch"], ".2f"),
             _f(m["consumer_s"], ".3f"), _f(m["total_s"], ".3f"),
             _f(m["total_ratio_to_fio"], ".2f"), _f(m["total_ratio_to_none"], ".2f"),
-            datasets.format_size(int(m["cached_bytes_per_file"]))
-            if m["cached_bytes_per_file"] >= 1024 else f"{m['cached_bytes_per_file']:.0f}B",
+            f"{m['cached_bytes_per_file'] / (1 << 20):.2f} MiB",
         ]
 
 
