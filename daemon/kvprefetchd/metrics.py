@@ -345,7 +345,14 @@ class StatsCollector(Collector):
             )
         if (value := _number(stats.get("worker_restarts"))) is not None:
             yield _single(
-                "kvprefetchd_worker_restarts", "Workers respawned after dying.", "counter", value
+                "kvprefetchd_worker_restarts",
+                "Workers respawned after dying or being killed as wedged.", "counter", value,
+            )
+        if (value := _number(stats.get("workers_killed_wedged"))) is not None:
+            yield _single(
+                "kvprefetchd_workers_killed_wedged",
+                "Workers killed (and replaced) for owing outcomes and saying nothing for "
+                "worker_timeout.", "counter", value,
             )
 
     def _workers(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
@@ -361,6 +368,12 @@ class StatsCollector(Collector):
             "kvprefetchd_worker_batches", "Engine batches run, per worker (since it started).",
             labels=["worker"],
         )
+        silent = GaugeMetricFamily(
+            "kvprefetchd_worker_silent_seconds",
+            "Seconds since a worker that owes outcomes last reported (0 when it owes none); "
+            "at worker_timeout it is killed as wedged.",
+            labels=["worker"],
+        )
         dedup = CounterMetricFamily(
             "kvprefetchd_worker_dedup",
             "Files skipped as duplicates, per worker (recent: warmed within dedup_ttl_ms; "
@@ -373,6 +386,8 @@ class StatsCollector(Collector):
                 depth.add_metric([label], value)
             if (value := _number(worker.get("ready"))) is not None:
                 ready.add_metric([label], value)
+            if (value := _number(worker.get("silent_s"))) is not None:
+                silent.add_metric([label], value)
             batches.add_metric([label], _number(worker.get("batches")) or 0.0)
             for kind in ("recent", "in_flight"):
                 dedup.add_metric([label, kind], _number(worker.get(f"dedup_{kind}")) or 0.0)
@@ -386,6 +401,7 @@ class StatsCollector(Collector):
                 value=max(limits),
             )
         yield ready
+        yield silent
         yield batches
         yield dedup
         yield from self._process("kvprefetchd_worker", "A worker", ["worker"], workers, labels)

@@ -99,6 +99,10 @@ class WorkerHandle:
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0
     counters: Counter[str] = field(default_factory=Counter)
+    # The heartbeat: when the worker last sent anything (every batch ends in a `done`),
+    # or was handed work while it owed nothing. A worker that owes outcomes and has
+    # been silent for worker_timeout since then is wedged (murder_workers).
+    heard: float = field(default_factory=time.monotonic)
 
 
 class Supervisor:
@@ -155,6 +159,10 @@ class Supervisor:
         self.wait_latency = metrics.Histogram(metrics.WAIT_BUCKETS)
         self.file_latency = metrics.Histogram(metrics.FILE_BUCKETS)
         self.worker_restarts = 0
+        self.workers_killed_wedged = 0
+        # No worker can be found wedged before this time (murder_workers keeps it a
+        # lower bound of every busy worker's deadline), so the loop sleeps until then.
+        self.wedge_check_due = time.monotonic() + config.worker_timeout
         self._wakeup_r, self._wakeup_w = socket.socketpair()
         self.metrics: metrics.MetricsServer | None = None
         self.watchdog = systemd.Watchdog.from_environment()
@@ -276,6 +284,7 @@ class Supervisor:
             allow_inline=config.allow_inline_layouts,
         )
         logging.getLogger().setLevel(config.log_level.upper())
+        self.wedge_check_due = time.monotonic()  # worker_timeout may have changed: look again
         for connection in self.connections.values():
             connection.frames.max_frame_bytes = config.max_frame_bytes
             connection.max_output_bytes = config.max_output_bytes
@@ -336,18 +345,15 @@ class Supervisor:
             for handle in self.workers:
                 if handle is not None and handle.pid == pid:
                     self.worker_died(handle, status)
+                    break
+            else:
+                log.debug("reaped pid %d (a wedged worker killed and replaced before)", pid)
 
     def worker_died(self, handle: WorkerHandle, status: int) -> None:
         if self.workers[handle.index] is not handle:
             return
         with_code = os.waitstatus_to_exitcode(status) if status >= 0 else None
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(handle.sock)
-        # Any outcomes it managed to send before dying still count.
-        self.on_worker_messages(handle, handle.reader.read_available())
-        handle.sock.close()
-        for request in self.books.fail_worker(handle.index):
-            self.answer(request)
+        self.settle_worker(handle)
         killed_by_signal = with_code is not None and with_code < 0
         if with_code == EXIT_BOOT_FAILED or (not handle.ready and not killed_by_signal):
             # Respawning would fail the same way, forever: stop with the reason instead.
@@ -361,10 +367,71 @@ class Supervisor:
             handle.pid,
             with_code,
         )
+        self.respawn_worker(handle)
+
+    def settle_worker(self, handle: WorkerHandle) -> None:
+        """Stop listening to a worker that is gone or going; fail whatever it still owes."""
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(handle.sock)
+        # Any outcomes it managed to send before dying still count.
+        self.on_worker_messages(handle, handle.reader.read_available())
+        handle.sock.close()
+        for request in self.books.fail_worker(handle.index):
+            self.answer(request)
+
+    def respawn_worker(self, handle: WorkerHandle) -> None:
         self.worker_restarts += 1
         self.spawn_worker(handle.index)
 
+    def murder_workers(self, now: float) -> None:
+        """Kill every worker that owes outcomes and has been silent for worker_timeout.
+
+        Progress-based, not time-based: a worker reports after every batch, so one
+        with a long queue on a slow tier keeps its clock fresh, and an idle one owes
+        nothing. What stays silent is stuck in a native call (a hung NFS server, a
+        tier that never answers) or stopped; it cannot be asked to stop, so it is
+        SIGKILLed. Also sets when the next one could be due, for the loop's sleep.
+        """
+        timeout = self.config.worker_timeout
+        due = now + timeout
+        for handle in list(self.workers):
+            if handle is None or self.books.outstanding(handle.index) == 0:
+                continue
+            deadline = handle.heard + timeout
+            if deadline <= now:
+                self.kill_worker(handle, now - handle.heard)
+            else:
+                due = min(due, deadline)
+        self.wedge_check_due = due
+
+    def kill_worker(self, handle: WorkerHandle, silent: float) -> None:
+        """SIGKILL a wedged worker, fail its files and put a new worker on its shard now.
+
+        Its exit is not waited for: a process in uninterruptible I/O (D state) dies
+        only when that I/O returns, which may be never. reap_workers collects it
+        whenever it does.
+        """
+        log.warning(
+            "worker %d (pid %d) wedged: %d files outstanding, nothing heard for %.1f s "
+            "(worker_timeout); killed, its files failed%s",
+            handle.index,
+            handle.pid,
+            self.books.outstanding(handle.index),
+            silent,
+            "" if self.stopping else "; respawning",
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(handle.pid, signal.SIGKILL)
+        self.workers_killed_wedged += 1
+        self.settle_worker(handle)
+        if self.stopping:
+            self.workers[handle.index] = None
+            return
+        self.respawn_worker(handle)
+
     def on_worker_messages(self, handle: WorkerHandle, messages: list[list[Any]]) -> None:
+        if messages:
+            handle.heard = time.monotonic()
         for message in messages:
             kind = message[0]
             if kind == DONE:
@@ -410,6 +477,7 @@ class Supervisor:
         for due in (
             self.metrics.next_timeout(now) if self.metrics is not None else None,
             self.watchdog.timeout(now),
+            max(0.0, self.wedge_check_due - now) if self.config.worker_timeout else None,
         ):
             if due is not None:
                 timeout = due if timeout is None else min(timeout, due)
@@ -439,6 +507,10 @@ class Supervisor:
                 self.update_connection(data)
         self.fire_timers()
         now = time.monotonic()
+        # After the events: a supervisor that was itself held up reads its workers'
+        # reports before it judges their silence.
+        if self.config.worker_timeout and now >= self.wedge_check_due:
+            self.murder_workers(now)
         if self.metrics is not None:
             self.metrics.expire(now)
         self.watchdog.tick(now)
@@ -666,6 +738,7 @@ class Supervisor:
                 self.update_connection(connection)
 
             pending = PendingRequest(request.request_id, reply_to, now, deadline)
+        idle = [self.books.outstanding(index) == 0 for index in range(len(self.workers))]
         batches, (accepted, dropped, rejected) = self.enqueue(paths, pending)
         if not options.wait:
             # The ack goes out before the workers hear of the files: once they wake they
@@ -679,6 +752,8 @@ class Supervisor:
         for index, batch in enumerate(batches):
             handle = self.workers[index]
             if batch and handle is not None:
+                if idle[index]:
+                    handle.heard = now  # its silence counts from now, not from its last report
                 self.send_to_worker(handle, [WARM, options.read_bytes, int(other_mode), batch])
         if pending is None:
             return
@@ -774,6 +849,7 @@ class Supervisor:
                 "file_seconds": self.file_latency.snapshot(),
             },
             "worker_restarts": self.worker_restarts,
+            "workers_killed_wedged": self.workers_killed_wedged,
             "supervisor": {"pid": os.getpid(), **process_figures(os.getpid())},
             "connections": len(self.connections),
             "roots": [
@@ -784,6 +860,7 @@ class Supervisor:
         }
 
     def _worker_stats(self, handle: WorkerHandle) -> dict[str, Any]:
+        owes = self.books.outstanding(handle.index) > 0
         return {
             **process_figures(handle.pid),
             "index": handle.index,
@@ -793,6 +870,8 @@ class Supervisor:
             "queue_depth": self.books.outstanding(handle.index),
             "queue_limit": self.config.queue_limit,
             "restarts": handle.restarts,
+            # The heartbeat, observable: seconds without a report while owing outcomes.
+            "silent_s": round(time.monotonic() - handle.heard, 3) if owes else 0.0,
             **dict(handle.counters),
         }
 
