@@ -83,6 +83,20 @@ def process_figures(pid: int) -> dict[str, Any]:
         return {}
 
 
+def _reaped_by(pid: int, deadline: float) -> bool:
+    """Wait for a child to exit until deadline (monotonic); True once it is gone."""
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
 class HaltError(RuntimeError):
     """The daemon cannot go on (a worker cannot boot); the message is for the operator."""
 
@@ -928,18 +942,17 @@ class Supervisor:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 1.0
+        stubborn = [handle for handle in live if not _reaped_by(handle.pid, deadline)]
+        for handle in stubborn:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handle.pid, signal.SIGKILL)
+        # A worker in uninterruptible I/O (D state) dies only when that I/O returns:
+        # give it a moment, then leave it to init rather than hang the shutdown.
+        deadline = time.monotonic() + 1.0
+        for handle in stubborn:
+            if not _reaped_by(handle.pid, deadline):
+                log.warning("worker %d (pid %d) did not exit; left behind",
+                            handle.index, handle.pid)
         for handle in live:
-            while True:
-                try:
-                    pid, _ = os.waitpid(handle.pid, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid:
-                    break
-                if time.monotonic() > deadline:
-                    os.kill(handle.pid, signal.SIGKILL)
-                    os.waitpid(handle.pid, 0)
-                    break
-                time.sleep(0.01)
             handle.sock.close()
         self.workers = [None] * len(self.workers)
