@@ -77,7 +77,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvprefetchd.protocol import OPS
-from kvprefetchd.server import accept_ready, listen_unix
+from kvprefetchd.server import ACCEPT_REST, accept_ready, listen_unix, out_of_fds
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -655,6 +655,8 @@ class MetricsServer:
         self.selector: selectors.BaseSelector | None = None
         self.clients: dict[int, _Client] = {}
         self.counts = {"served": 0, "not_found": 0, "bad": 0, "refused": 0, "expired": 0}
+        self.resting_until: float | None = None  # out of fds: the listener is not watched
+        self.out_of_fds = False  # logged once per episode, not once per rest
 
     @classmethod
     def open(
@@ -686,13 +688,21 @@ class MetricsServer:
                 self._write(data)
 
     def next_timeout(self, now: float) -> float | None:
-        """Seconds until the earliest client deadline (None: no client)."""
-        if not self.clients:
-            return None
-        return max(0.0, min(c.deadline for c in self.clients.values()) - now)
+        """Seconds until the earliest client deadline or the end of a rest (None: neither)."""
+        dues = [c.deadline for c in self.clients.values()]
+        if self.resting_until is not None:
+            dues.append(self.resting_until)
+        return max(0.0, min(dues) - now) if dues else None
 
     def expire(self, now: float) -> int:
-        """Close every client past its deadline (slow or silent ones); returns how many."""
+        """Close every client past its deadline (slow or silent ones); returns how many.
+
+        Also puts a resting listener (see _accept) back in the selector once its rest is over.
+        """
+        if self.resting_until is not None and now >= self.resting_until:
+            self.resting_until = None
+            if self.selector is not None:
+                self.selector.register(self.listener, selectors.EVENT_READ, self)
         late = [c for c in self.clients.values() if c.deadline <= now]
         for client in late:
             if client.state != _DRAINING:
@@ -715,6 +725,23 @@ class MetricsServer:
     # -- the work --
 
     def _accept(self) -> None:
+        try:
+            self._accept_ready()
+        except OSError as error:
+            if not out_of_fds(error) or self.selector is None:
+                raise
+            # Rest instead of spinning on a listener that stays readable (server.ACCEPT_REST).
+            if not self.out_of_fds:
+                self.out_of_fds = True
+                log.warning("metrics: cannot accept connections: %s; pausing accept %.1f s",
+                            error.strerror, ACCEPT_REST)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+            self.resting_until = self.clock() + ACCEPT_REST
+            return
+        self.out_of_fds = False
+
+    def _accept_ready(self) -> None:
         for sock in accept_ready(self.listener, "metrics"):
             if len(self.clients) >= self.max_clients or self.selector is None:
                 self.counts["refused"] += 1

@@ -59,13 +59,16 @@ from kvprefetchd.protocol import (
     parse_warm_options,
 )
 from kvprefetchd.residency import RootRule, choose_rule
-from kvprefetchd.server import Connection, accept_ready, listen_unix
+from kvprefetchd.server import ACCEPT_REST, Connection, accept_ready, listen_unix, out_of_fds
 from kvprefetchd.shard import shard_of
 from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
 
 log = logging.getLogger("kvprefetchd")
 
 BOOT_TIMEOUT = 20.0
+# A worker that cannot be respawned (the supervisor is out of fds or processes)
+# leaves its shard empty (its files are dropped) and is tried again this often.
+RESPAWN_RETRY = 1.0
 
 
 def process_figures(pid: int) -> dict[str, Any]:
@@ -177,6 +180,9 @@ class Supervisor:
         # No worker can be found wedged before this time (murder_workers keeps it a
         # lower bound of every busy worker's deadline), so the loop sleeps until then.
         self.wedge_check_due = time.monotonic() + config.worker_timeout
+        self.respawn_due: dict[int, float] = {}  # worker index -> when to try again
+        self.listener_rests_until: float | None = None  # out of fds: not accepting
+        self.out_of_fds_since: float | None = None
         self._wakeup_r, self._wakeup_w = socket.socketpair()
         self.metrics: metrics.MetricsServer | None = None
         self.watchdog = systemd.Watchdog.from_environment()
@@ -318,12 +324,17 @@ class Supervisor:
             nice=self.config.worker_nice,
         )
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (parent_sock, child_sock):
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
+        try:
+            for end in (parent_sock, child_sock):
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+        except OSError:
+            parent_sock.close()
+            child_sock.close()
+            raise
         if pid == 0:  # pragma: no cover - the child never returns here
             parent_sock.close()
             worker_main(plan, child_sock)
@@ -381,7 +392,7 @@ class Supervisor:
             handle.pid,
             with_code,
         )
-        self.respawn_worker(handle)
+        self.respawn_worker(handle.index)
 
     def settle_worker(self, handle: WorkerHandle) -> None:
         """Stop listening to a worker that is gone or going; fail whatever it still owes."""
@@ -393,9 +404,22 @@ class Supervisor:
         for request in self.books.fail_worker(handle.index):
             self.answer(request)
 
-    def respawn_worker(self, handle: WorkerHandle) -> None:
+    def respawn_worker(self, index: int) -> None:
+        """Put a new worker on a shard; when that fails for want of fds or processes,
+        leave the shard empty (its files are dropped, counted) and try again later,
+        rather than let one dead worker take the whole daemon down."""
+        self.respawn_due.pop(index, None)
+        try:
+            self.spawn_worker(index)
+        except OSError as error:
+            if error.errno not in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM):
+                raise
+            self.workers[index] = None
+            self.respawn_due[index] = time.monotonic() + RESPAWN_RETRY
+            log.error("worker %d: cannot respawn (%s); its files are dropped until it can, "
+                      "trying again every %.0f s", index, error.strerror, RESPAWN_RETRY)
+            return
         self.worker_restarts += 1
-        self.spawn_worker(handle.index)
 
     def murder_workers(self, now: float) -> None:
         """Kill every worker that owes outcomes and has been silent for worker_timeout.
@@ -441,7 +465,7 @@ class Supervisor:
         if self.stopping:
             self.workers[handle.index] = None
             return
-        self.respawn_worker(handle)
+        self.respawn_worker(handle.index)
 
     def on_worker_messages(self, handle: WorkerHandle, messages: list[list[Any]]) -> None:
         if messages:
@@ -492,6 +516,8 @@ class Supervisor:
             self.metrics.next_timeout(now) if self.metrics is not None else None,
             self.watchdog.timeout(now),
             max(0.0, self.wedge_check_due - now) if self.config.worker_timeout else None,
+            max(0.0, min(self.respawn_due.values()) - now) if self.respawn_due else None,
+            max(0.0, self.listener_rests_until - now) if self.listener_rests_until else None,
         ):
             if due is not None:
                 timeout = due if timeout is None else min(timeout, due)
@@ -525,6 +551,13 @@ class Supervisor:
         # reports before it judges their silence.
         if self.config.worker_timeout and now >= self.wedge_check_due:
             self.murder_workers(now)
+        for index, due in list(self.respawn_due.items()):
+            if due <= now and not self.stopping:
+                self.respawn_worker(index)
+        if self.listener_rests_until is not None and now >= self.listener_rests_until:
+            self.listener_rests_until = None
+            if self.listener is not None:
+                self.selector.register(self.listener, selectors.EVENT_READ, "listener")
         if self.metrics is not None:
             self.metrics.expire(now)
         self.watchdog.tick(now)
@@ -549,16 +582,44 @@ class Supervisor:
 
     def accept_connections(self) -> None:
         assert self.listener is not None
-        for sock in accept_ready(self.listener, "requests"):
-            if len(self.connections) >= self.config.max_connections:
-                sock.close()
-                self.requests["connections_refused"] += 1
-                continue
-            if not self.peer_allowed(sock):
-                continue
-            connection = Connection(sock, self.config.max_frame_bytes, self.config.max_output_bytes)
-            self.connections[sock.fileno()] = connection
-            self.selector.register(sock, selectors.EVENT_READ, connection)
+        try:
+            for sock in accept_ready(self.listener, "requests"):
+                if len(self.connections) >= self.config.max_connections:
+                    sock.close()
+                    self.requests["connections_refused"] += 1
+                    continue
+                if not self.peer_allowed(sock):
+                    continue
+                connection = Connection(
+                    sock, self.config.max_frame_bytes, self.config.max_output_bytes
+                )
+                self.connections[sock.fileno()] = connection
+                self.selector.register(sock, selectors.EVENT_READ, connection)
+        except OSError as error:
+            if not out_of_fds(error):
+                raise
+            self.rest_listener(error)
+            return
+        if self.out_of_fds_since is not None:
+            log.warning("accepting connections again after %.1f s out of file descriptors",
+                        time.monotonic() - self.out_of_fds_since)
+            self.out_of_fds_since = None
+
+    def rest_listener(self, error: OSError) -> None:
+        """Out of fds: stop watching the listener for ACCEPT_REST s instead of spinning on it.
+
+        Connections wait in the listen backlog until a connection closes or the
+        limit is raised. Logged once per episode; counted as accept_paused.
+        """
+        assert self.listener is not None
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(self.listener)
+        self.listener_rests_until = time.monotonic() + ACCEPT_REST
+        self.requests["accept_paused"] += 1
+        if self.out_of_fds_since is None:
+            self.out_of_fds_since = time.monotonic()
+            log.warning("cannot accept connections: %s; they wait in the backlog (pausing "
+                        "accept %.1f s at a time)", error.strerror, ACCEPT_REST)
 
     def peer_allowed(self, sock: socket.socket) -> bool:
         """Refuse a peer the policy does not name: one `forbidden` reply, then closed."""
