@@ -592,9 +592,9 @@ def open_metrics_listener(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((where.host, where.port))
         sock.listen(backlog)
-    except OSError:
+    except OSError as error:
         sock.close()
-        raise
+        raise OSError(error.errno, error.strerror, f"metrics {where.host}:{where.port}") from error
     sock.setblocking(False)
     return sock
 

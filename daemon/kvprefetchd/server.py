@@ -59,9 +59,11 @@ def listen_unix(path: str, mode: int, backlog: int = 512) -> socket.socket:
     old_umask = os.umask(0o777 & ~mode)
     try:
         sock.bind(path)
-    except OSError:
+    except OSError as error:
         sock.close()
-        raise
+        # bind's error names no file; the operator needs to know which socket (the
+        # request socket or the metrics one) and where: ENOSPC on a tmpfs out of inodes.
+        raise OSError(error.errno, error.strerror, path) from error
     finally:
         os.umask(old_umask)
     sock.listen(backlog)
