@@ -372,7 +372,7 @@ class Supervisor:
                     self.worker_died(handle, status)
                     break
             else:
-                log.debug("reaped pid %d (a wedged worker killed and replaced before)", pid)
+                log.debug("reaped pid %d (a worker already replaced: killed as wedged)", pid)
 
     def worker_died(self, handle: WorkerHandle, status: int) -> None:
         if self.workers[handle.index] is not handle:
