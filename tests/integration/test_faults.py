@@ -81,6 +81,15 @@ def settled_stats(daemon: Daemon) -> dict[str, Any]:
     return stats
 
 
+def no_fd_left(process: psutil.Process) -> None:
+    """Lower RLIMIT_NOFILE (soft) to the process's lowest free fd number: its next open,
+    accept or socketpair fails with EMFILE (the limit bounds fd numbers, not their count,
+    so a hole below it would still be handed out)."""
+    used = {int(name) for name in os.listdir(f"/proc/{process.pid}/fd")}
+    lowest_free = min(set(range(len(used) + 1)) - used)
+    process.rlimit(psutil.RLIMIT_NOFILE, (lowest_free, process.rlimit(psutil.RLIMIT_NOFILE)[1]))
+
+
 def books_balance(stats: dict[str, Any]) -> bool:
     files = stats["files"]
     return bool(files["accepted"] == sum(files[k] for k in SETTLED) + files["in_flight"])
@@ -309,7 +318,7 @@ def test_a_worker_out_of_fds_fails_its_files_lives_and_serves_once_the_limit_is_
 
     worker = psutil.Process(pid)
     soft, hard = worker.rlimit(psutil.RLIMIT_NOFILE)
-    worker.rlimit(psutil.RLIMIT_NOFILE, (worker.num_fds(), hard))  # not one fd more
+    no_fd_left(worker)
     try:
         # Load: five waiting requests pipelined on one connection, and fire-and-forget.
         connection = d.connect()
@@ -352,9 +361,9 @@ def test_a_supervisor_out_of_fds_neither_spins_nor_dies_and_recovers(
 
     def no_fd_to_spare() -> None:
         """Once `held` is the only connection left (the others' closes processed), allow
-        the supervisor exactly the fds it has."""
+        the supervisor not one fd more."""
         eventually(lambda: held.call("stats")["stats"]["connections"] == 1, "one connection")
-        supervisor.rlimit(psutil.RLIMIT_NOFILE, (supervisor.num_fds(), hard))
+        no_fd_left(supervisor)
 
     no_fd_to_spare()
     try:
