@@ -93,5 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", error)
         return EXIT_HALTED
     except OSError as error:
-        log.error("cannot serve on %s: %s", config.socket, error)
+        # Which socket failed, when the error knows (server.listen_unix names it).
+        where = error.filename if error.filename is not None else config.socket
+        log.error("cannot serve on %s: %s", where, error.strerror or error)
         return EXIT_HALTED

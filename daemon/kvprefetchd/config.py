@@ -92,6 +92,9 @@ class Config:
     max_tokens: int = 1 << 20
     stale_streak: int = 256  # consecutive missing files before a profile is checked for staleness
     drain_seconds: float = 3.0  # plus at most 1 s to stop workers: out within 5 s
+    # A worker that owes outcomes and has sent nothing for this long is wedged (stuck
+    # in a native call on a dead tier): killed, its files failed, and replaced. 0: never.
+    worker_timeout: float = 60.0
     log_level: str = "info"
     metrics: str = ""
 
@@ -207,6 +210,15 @@ def _check(key: str, value: Any) -> Any:
     if key == "drain_seconds":
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
             raise ConfigError("drain_seconds: expected a number of seconds in [0, 60]")
+        return float(value)
+    if key == "worker_timeout":
+        # Below 1 s a healthy batch on a slow tier would look wedged; 0 turns the check off.
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value == 0 or 1 <= value <= 3600)
+        ):
+            raise ConfigError("worker_timeout: expected 0 (off) or seconds in [1, 3600]")
         return float(value)
     raise ConfigError(f"{key}: unknown setting")
 

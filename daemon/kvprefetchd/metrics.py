@@ -77,7 +77,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvprefetchd.protocol import OPS
-from kvprefetchd.server import accept_ready, listen_unix
+from kvprefetchd.server import ACCEPT_REST, accept_ready, listen_unix, out_of_fds
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -345,7 +345,14 @@ class StatsCollector(Collector):
             )
         if (value := _number(stats.get("worker_restarts"))) is not None:
             yield _single(
-                "kvprefetchd_worker_restarts", "Workers respawned after dying.", "counter", value
+                "kvprefetchd_worker_restarts",
+                "Workers respawned after dying or being killed as wedged.", "counter", value,
+            )
+        if (value := _number(stats.get("workers_killed_wedged"))) is not None:
+            yield _single(
+                "kvprefetchd_workers_killed_wedged",
+                "Workers killed (and replaced) for owing outcomes and saying nothing for "
+                "worker_timeout.", "counter", value,
             )
 
     def _workers(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
@@ -361,6 +368,12 @@ class StatsCollector(Collector):
             "kvprefetchd_worker_batches", "Engine batches run, per worker (since it started).",
             labels=["worker"],
         )
+        silent = GaugeMetricFamily(
+            "kvprefetchd_worker_silent_seconds",
+            "Seconds since a worker that owes outcomes last reported (0 when it owes none); "
+            "at worker_timeout it is killed as wedged.",
+            labels=["worker"],
+        )
         dedup = CounterMetricFamily(
             "kvprefetchd_worker_dedup",
             "Files skipped as duplicates, per worker (recent: warmed within dedup_ttl_ms; "
@@ -373,6 +386,8 @@ class StatsCollector(Collector):
                 depth.add_metric([label], value)
             if (value := _number(worker.get("ready"))) is not None:
                 ready.add_metric([label], value)
+            if (value := _number(worker.get("silent_s"))) is not None:
+                silent.add_metric([label], value)
             batches.add_metric([label], _number(worker.get("batches")) or 0.0)
             for kind in ("recent", "in_flight"):
                 dedup.add_metric([label, kind], _number(worker.get(f"dedup_{kind}")) or 0.0)
@@ -386,6 +401,7 @@ class StatsCollector(Collector):
                 value=max(limits),
             )
         yield ready
+        yield silent
         yield batches
         yield dedup
         yield from self._process("kvprefetchd_worker", "A worker", ["worker"], workers, labels)
@@ -576,9 +592,9 @@ def open_metrics_listener(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((where.host, where.port))
         sock.listen(backlog)
-    except OSError:
+    except OSError as error:
         sock.close()
-        raise
+        raise OSError(error.errno, error.strerror, f"metrics {where.host}:{where.port}") from error
     sock.setblocking(False)
     return sock
 
@@ -639,6 +655,8 @@ class MetricsServer:
         self.selector: selectors.BaseSelector | None = None
         self.clients: dict[int, _Client] = {}
         self.counts = {"served": 0, "not_found": 0, "bad": 0, "refused": 0, "expired": 0}
+        self.resting_until: float | None = None  # out of fds: the listener is not watched
+        self.out_of_fds = False  # logged once per episode, not once per rest
 
     @classmethod
     def open(
@@ -670,13 +688,21 @@ class MetricsServer:
                 self._write(data)
 
     def next_timeout(self, now: float) -> float | None:
-        """Seconds until the earliest client deadline (None: no client)."""
-        if not self.clients:
-            return None
-        return max(0.0, min(c.deadline for c in self.clients.values()) - now)
+        """Seconds until the earliest client deadline or the end of a rest (None: neither)."""
+        dues = [c.deadline for c in self.clients.values()]
+        if self.resting_until is not None:
+            dues.append(self.resting_until)
+        return max(0.0, min(dues) - now) if dues else None
 
     def expire(self, now: float) -> int:
-        """Close every client past its deadline (slow or silent ones); returns how many."""
+        """Close every client past its deadline (slow or silent ones); returns how many.
+
+        Also puts a resting listener (see _accept) back in the selector once its rest is over.
+        """
+        if self.resting_until is not None and now >= self.resting_until:
+            self.resting_until = None
+            if self.selector is not None:
+                self.selector.register(self.listener, selectors.EVENT_READ, self)
         late = [c for c in self.clients.values() if c.deadline <= now]
         for client in late:
             if client.state != _DRAINING:
@@ -699,6 +725,23 @@ class MetricsServer:
     # -- the work --
 
     def _accept(self) -> None:
+        try:
+            self._accept_ready()
+        except OSError as error:
+            if not out_of_fds(error) or self.selector is None:
+                raise
+            # Rest instead of spinning on a listener that stays readable (server.ACCEPT_REST).
+            if not self.out_of_fds:
+                self.out_of_fds = True
+                log.warning("metrics: cannot accept connections: %s; pausing accept %.1f s",
+                            error.strerror, ACCEPT_REST)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+            self.resting_until = self.clock() + ACCEPT_REST
+            return
+        self.out_of_fds = False
+
+    def _accept_ready(self) -> None:
         for sock in accept_ready(self.listener, "metrics"):
             if len(self.clients) >= self.max_clients or self.selector is None:
                 self.counts["refused"] += 1

@@ -59,9 +59,11 @@ def listen_unix(path: str, mode: int, backlog: int = 512) -> socket.socket:
     old_umask = os.umask(0o777 & ~mode)
     try:
         sock.bind(path)
-    except OSError:
+    except OSError as error:
         sock.close()
-        raise
+        # bind's error names no file; the operator needs to know which socket (the
+        # request socket or the metrics one) and where: ENOSPC on a tmpfs out of inodes.
+        raise OSError(error.errno, error.strerror, path) from error
     finally:
         os.umask(old_umask)
     sock.listen(backlog)
@@ -69,11 +71,24 @@ def listen_unix(path: str, mode: int, backlog: int = 512) -> socket.socket:
     return sock
 
 
+# Out of file descriptors, accept(2) fails and leaves the connection in the
+# backlog, so the listener stays readable: a level-triggered loop that simply
+# tried again would spin (measured: 70% of a CPU and 80,000 log lines in 2 s).
+# The caller takes the listener out of its selector for this long instead.
+ACCEPT_REST = 0.5
+
+
+def out_of_fds(error: OSError) -> bool:
+    """EMFILE (this process) or ENFILE (the system): the listener must rest (ACCEPT_REST)."""
+    return error.errno in (errno.EMFILE, errno.ENFILE)
+
+
 def accept_ready(listener: socket.socket, what: str) -> Iterator[socket.socket]:
     """Every connection waiting on a non-blocking listener, as non-blocking sockets.
 
-    Running out of fds, or a peer that gave up before we accepted it, costs that
-    connection (logged), never the event loop that called us.
+    A peer that gave up before we accepted it costs that connection, never the
+    event loop that called us. Running out of fds raises the OSError (see
+    `out_of_fds`) after yielding what was accepted before it.
     """
     while True:
         try:
@@ -83,9 +98,8 @@ def accept_ready(listener: socket.socket, what: str) -> Iterator[socket.socket]:
         except OSError as error:
             if error.errno == errno.ECONNABORTED:
                 continue
-            if error.errno in (errno.EMFILE, errno.ENFILE):
-                log.warning("%s: cannot accept a connection: %s", what, error.strerror)
-                return
+            if out_of_fds(error):
+                log.debug("%s: accept: %s", what, error.strerror)
             raise
         sock.setblocking(False)
         yield sock

@@ -59,13 +59,16 @@ from kvprefetchd.protocol import (
     parse_warm_options,
 )
 from kvprefetchd.residency import RootRule, choose_rule
-from kvprefetchd.server import Connection, accept_ready, listen_unix
+from kvprefetchd.server import ACCEPT_REST, Connection, accept_ready, listen_unix, out_of_fds
 from kvprefetchd.shard import shard_of
 from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
 
 log = logging.getLogger("kvprefetchd")
 
 BOOT_TIMEOUT = 20.0
+# A worker that cannot be respawned (the supervisor is out of fds or processes)
+# leaves its shard empty (its files are dropped) and is tried again this often.
+RESPAWN_RETRY = 1.0
 
 
 def process_figures(pid: int) -> dict[str, Any]:
@@ -81,6 +84,20 @@ def process_figures(pid: int) -> dict[str, Any]:
             }
     except psutil.Error:
         return {}
+
+
+def _reaped_by(pid: int, deadline: float) -> bool:
+    """Wait for a child to exit until deadline (monotonic); True once it is gone."""
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 class HaltError(RuntimeError):
@@ -99,6 +116,10 @@ class WorkerHandle:
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0
     counters: Counter[str] = field(default_factory=Counter)
+    # The heartbeat: when the worker last sent anything (every batch ends in a `done`),
+    # or was handed work while it owed nothing. A worker that owes outcomes and has
+    # been silent for worker_timeout since then is wedged (murder_workers).
+    heard: float = field(default_factory=time.monotonic)
 
 
 class Supervisor:
@@ -155,6 +176,13 @@ class Supervisor:
         self.wait_latency = metrics.Histogram(metrics.WAIT_BUCKETS)
         self.file_latency = metrics.Histogram(metrics.FILE_BUCKETS)
         self.worker_restarts = 0
+        self.workers_killed_wedged = 0
+        # No worker can be found wedged before this time (murder_workers keeps it a
+        # lower bound of every busy worker's deadline), so the loop sleeps until then.
+        self.wedge_check_due = time.monotonic() + config.worker_timeout
+        self.respawn_due: dict[int, float] = {}  # worker index -> when to try again
+        self.listener_rests_until: float | None = None  # out of fds: not accepting
+        self.out_of_fds_since: float | None = None
         self._wakeup_r, self._wakeup_w = socket.socketpair()
         self.metrics: metrics.MetricsServer | None = None
         self.watchdog = systemd.Watchdog.from_environment()
@@ -276,6 +304,7 @@ class Supervisor:
             allow_inline=config.allow_inline_layouts,
         )
         logging.getLogger().setLevel(config.log_level.upper())
+        self.wedge_check_due = time.monotonic()  # worker_timeout may have changed: look again
         for connection in self.connections.values():
             connection.frames.max_frame_bytes = config.max_frame_bytes
             connection.max_output_bytes = config.max_output_bytes
@@ -295,12 +324,17 @@ class Supervisor:
             nice=self.config.worker_nice,
         )
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (parent_sock, child_sock):
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
+        try:
+            for end in (parent_sock, child_sock):
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+        except OSError:
+            parent_sock.close()
+            child_sock.close()
+            raise
         if pid == 0:  # pragma: no cover - the child never returns here
             parent_sock.close()
             worker_main(plan, child_sock)
@@ -336,18 +370,15 @@ class Supervisor:
             for handle in self.workers:
                 if handle is not None and handle.pid == pid:
                     self.worker_died(handle, status)
+                    break
+            else:
+                log.debug("reaped pid %d (a worker already replaced: killed as wedged)", pid)
 
     def worker_died(self, handle: WorkerHandle, status: int) -> None:
         if self.workers[handle.index] is not handle:
             return
         with_code = os.waitstatus_to_exitcode(status) if status >= 0 else None
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(handle.sock)
-        # Any outcomes it managed to send before dying still count.
-        self.on_worker_messages(handle, handle.reader.read_available())
-        handle.sock.close()
-        for request in self.books.fail_worker(handle.index):
-            self.answer(request)
+        self.settle_worker(handle)
         killed_by_signal = with_code is not None and with_code < 0
         if with_code == EXIT_BOOT_FAILED or (not handle.ready and not killed_by_signal):
             # Respawning would fail the same way, forever: stop with the reason instead.
@@ -361,10 +392,84 @@ class Supervisor:
             handle.pid,
             with_code,
         )
+        self.respawn_worker(handle.index)
+
+    def settle_worker(self, handle: WorkerHandle) -> None:
+        """Stop listening to a worker that is gone or going; fail whatever it still owes."""
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(handle.sock)
+        # Any outcomes it managed to send before dying still count.
+        self.on_worker_messages(handle, handle.reader.read_available())
+        handle.sock.close()
+        for request in self.books.fail_worker(handle.index):
+            self.answer(request)
+
+    def respawn_worker(self, index: int) -> None:
+        """Put a new worker on a shard; when that fails for want of fds or processes,
+        leave the shard empty (its files are dropped, counted) and try again later,
+        rather than let one dead worker take the whole daemon down."""
+        self.respawn_due.pop(index, None)
+        try:
+            self.spawn_worker(index)
+        except OSError as error:
+            if error.errno not in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM):
+                raise
+            self.workers[index] = None
+            self.respawn_due[index] = time.monotonic() + RESPAWN_RETRY
+            log.error("worker %d: cannot respawn (%s); its files are dropped until it can, "
+                      "trying again every %.0f s", index, error.strerror, RESPAWN_RETRY)
+            return
         self.worker_restarts += 1
-        self.spawn_worker(handle.index)
+
+    def murder_workers(self, now: float) -> None:
+        """Kill every worker that owes outcomes and has been silent for worker_timeout.
+
+        Progress-based, not time-based: a worker reports after every batch, so one
+        with a long queue on a slow tier keeps its clock fresh, and an idle one owes
+        nothing. What stays silent is stuck in a native call (a hung NFS server, a
+        tier that never answers) or stopped; it cannot be asked to stop, so it is
+        SIGKILLed. Also sets when the next one could be due, for the loop's sleep.
+        """
+        timeout = self.config.worker_timeout
+        due = now + timeout
+        for handle in list(self.workers):
+            if handle is None or self.books.outstanding(handle.index) == 0:
+                continue
+            deadline = handle.heard + timeout
+            if deadline <= now:
+                self.kill_worker(handle, now - handle.heard)
+            else:
+                due = min(due, deadline)
+        self.wedge_check_due = due
+
+    def kill_worker(self, handle: WorkerHandle, silent: float) -> None:
+        """SIGKILL a wedged worker, fail its files and put a new worker on its shard now.
+
+        Its exit is not waited for: a process in uninterruptible I/O (D state) dies
+        only when that I/O returns, which may be never. reap_workers collects it
+        whenever it does.
+        """
+        log.warning(
+            "worker %d (pid %d) wedged: %d files outstanding, nothing heard for %.1f s "
+            "(worker_timeout); killed, its files failed%s",
+            handle.index,
+            handle.pid,
+            self.books.outstanding(handle.index),
+            silent,
+            "" if self.stopping else "; respawning",
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(handle.pid, signal.SIGKILL)
+        self.workers_killed_wedged += 1
+        self.settle_worker(handle)
+        if self.stopping:
+            self.workers[handle.index] = None
+            return
+        self.respawn_worker(handle.index)
 
     def on_worker_messages(self, handle: WorkerHandle, messages: list[list[Any]]) -> None:
+        if messages:
+            handle.heard = time.monotonic()
         for message in messages:
             kind = message[0]
             if kind == DONE:
@@ -410,6 +515,9 @@ class Supervisor:
         for due in (
             self.metrics.next_timeout(now) if self.metrics is not None else None,
             self.watchdog.timeout(now),
+            max(0.0, self.wedge_check_due - now) if self.config.worker_timeout else None,
+            max(0.0, min(self.respawn_due.values()) - now) if self.respawn_due else None,
+            max(0.0, self.listener_rests_until - now) if self.listener_rests_until else None,
         ):
             if due is not None:
                 timeout = due if timeout is None else min(timeout, due)
@@ -439,6 +547,17 @@ class Supervisor:
                 self.update_connection(data)
         self.fire_timers()
         now = time.monotonic()
+        # After the events: a supervisor that was itself held up reads its workers'
+        # reports before it judges their silence.
+        if self.config.worker_timeout and now >= self.wedge_check_due:
+            self.murder_workers(now)
+        for index, due in list(self.respawn_due.items()):
+            if due <= now and not self.stopping:
+                self.respawn_worker(index)
+        if self.listener_rests_until is not None and now >= self.listener_rests_until:
+            self.listener_rests_until = None
+            if self.listener is not None:
+                self.selector.register(self.listener, selectors.EVENT_READ, "listener")
         if self.metrics is not None:
             self.metrics.expire(now)
         self.watchdog.tick(now)
@@ -463,16 +582,44 @@ class Supervisor:
 
     def accept_connections(self) -> None:
         assert self.listener is not None
-        for sock in accept_ready(self.listener, "requests"):
-            if len(self.connections) >= self.config.max_connections:
-                sock.close()
-                self.requests["connections_refused"] += 1
-                continue
-            if not self.peer_allowed(sock):
-                continue
-            connection = Connection(sock, self.config.max_frame_bytes, self.config.max_output_bytes)
-            self.connections[sock.fileno()] = connection
-            self.selector.register(sock, selectors.EVENT_READ, connection)
+        try:
+            for sock in accept_ready(self.listener, "requests"):
+                if len(self.connections) >= self.config.max_connections:
+                    sock.close()
+                    self.requests["connections_refused"] += 1
+                    continue
+                if not self.peer_allowed(sock):
+                    continue
+                connection = Connection(
+                    sock, self.config.max_frame_bytes, self.config.max_output_bytes
+                )
+                self.connections[sock.fileno()] = connection
+                self.selector.register(sock, selectors.EVENT_READ, connection)
+        except OSError as error:
+            if not out_of_fds(error):
+                raise
+            self.rest_listener(error)
+            return
+        if self.out_of_fds_since is not None:
+            log.warning("accepting connections again after %.1f s out of file descriptors",
+                        time.monotonic() - self.out_of_fds_since)
+            self.out_of_fds_since = None
+
+    def rest_listener(self, error: OSError) -> None:
+        """Out of fds: stop watching the listener for ACCEPT_REST s instead of spinning on it.
+
+        Connections wait in the listen backlog until a connection closes or the
+        limit is raised. Logged once per episode; counted as accept_paused.
+        """
+        assert self.listener is not None
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(self.listener)
+        self.listener_rests_until = time.monotonic() + ACCEPT_REST
+        self.requests["accept_paused"] += 1
+        if self.out_of_fds_since is None:
+            self.out_of_fds_since = time.monotonic()
+            log.warning("cannot accept connections: %s; they wait in the backlog (pausing "
+                        "accept %.1f s at a time)", error.strerror, ACCEPT_REST)
 
     def peer_allowed(self, sock: socket.socket) -> bool:
         """Refuse a peer the policy does not name: one `forbidden` reply, then closed."""
@@ -666,6 +813,7 @@ class Supervisor:
                 self.update_connection(connection)
 
             pending = PendingRequest(request.request_id, reply_to, now, deadline)
+        idle = [self.books.outstanding(index) == 0 for index in range(len(self.workers))]
         batches, (accepted, dropped, rejected) = self.enqueue(paths, pending)
         if not options.wait:
             # The ack goes out before the workers hear of the files: once they wake they
@@ -679,6 +827,8 @@ class Supervisor:
         for index, batch in enumerate(batches):
             handle = self.workers[index]
             if batch and handle is not None:
+                if idle[index]:
+                    handle.heard = now  # its silence counts from now, not from its last report
                 self.send_to_worker(handle, [WARM, options.read_bytes, int(other_mode), batch])
         if pending is None:
             return
@@ -774,6 +924,7 @@ class Supervisor:
                 "file_seconds": self.file_latency.snapshot(),
             },
             "worker_restarts": self.worker_restarts,
+            "workers_killed_wedged": self.workers_killed_wedged,
             "supervisor": {"pid": os.getpid(), **process_figures(os.getpid())},
             "connections": len(self.connections),
             "roots": [
@@ -784,6 +935,7 @@ class Supervisor:
         }
 
     def _worker_stats(self, handle: WorkerHandle) -> dict[str, Any]:
+        owes = self.books.outstanding(handle.index) > 0
         return {
             **process_figures(handle.pid),
             "index": handle.index,
@@ -793,6 +945,8 @@ class Supervisor:
             "queue_depth": self.books.outstanding(handle.index),
             "queue_limit": self.config.queue_limit,
             "restarts": handle.restarts,
+            # The heartbeat, observable: seconds without a report while owing outcomes.
+            "silent_s": round(time.monotonic() - handle.heard, 3) if owes else 0.0,
             **dict(handle.counters),
         }
 
@@ -849,18 +1003,17 @@ class Supervisor:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 1.0
+        stubborn = [handle for handle in live if not _reaped_by(handle.pid, deadline)]
+        for handle in stubborn:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handle.pid, signal.SIGKILL)
+        # A worker in uninterruptible I/O (D state) dies only when that I/O returns:
+        # give it a moment, then leave it to init rather than hang the shutdown.
+        deadline = time.monotonic() + 1.0
+        for handle in stubborn:
+            if not _reaped_by(handle.pid, deadline):
+                log.warning("worker %d (pid %d) did not exit; left behind",
+                            handle.index, handle.pid)
         for handle in live:
-            while True:
-                try:
-                    pid, _ = os.waitpid(handle.pid, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid:
-                    break
-                if time.monotonic() > deadline:
-                    os.kill(handle.pid, signal.SIGKILL)
-                    os.waitpid(handle.pid, 0)
-                    break
-                time.sleep(0.01)
             handle.sock.close()
         self.workers = [None] * len(self.workers)

@@ -30,7 +30,7 @@ from kvprefetchd.channel import (
 )
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, QueueAnswer, WarmItem
-from kvprefetchd.faults import WORKER_BOOT_FAILS, injected
+from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.metrics import FILE_BUCKETS, Histogram
 
 log = logging.getLogger("kvprefetchd.worker")
@@ -39,6 +39,14 @@ log = logging.getLogger("kvprefetchd.worker")
 # the daemon: respawning would fail the same way forever) from one that died.
 EXIT_OK = 0
 EXIT_BOOT_FAILED = 3
+
+# Most head bytes one native call may be asked for. A worker says nothing to the
+# supervisor while it is inside a batch, and the supervisor kills a worker that
+# owes outcomes and says nothing for `worker_timeout` (60 s): so a batch must stay
+# short on a slow tier. 256 MiB is batch_files x read_bytes at their defaults (no
+# change there); requests with a large read_bytes get fewer files per batch, e.g.
+# 4 heads of 64 MiB, which a tier delivering 5 MB/s still reads within 60 s.
+MAX_BATCH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,7 @@ class Worker:
         self.counters = {
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0
         }
+        self.faults = BatchFaults.from_environment()  # None unless a test injects one
 
     def run(self) -> None:
         poller = select.poll()
@@ -136,8 +145,23 @@ class Worker:
         return self.root_fds[index]
 
     def warm_one_batch(self, engine: Engine, pending: deque[WarmItem]) -> None:
-        while pending and engine.queue(pending[0]) is QueueAnswer.QUEUED:
-            pending.popleft()
+        """Hand the engine one batch (at most batch_files files and MAX_BATCH_BYTES) and settle it.
+
+        Every batch ends in a `done` message (each file gets an outcome), which is
+        the worker's heartbeat: bounding a batch bounds the supervisor's silence.
+        """
+        queued: list[WarmItem] = []
+        budget = MAX_BATCH_BYTES
+        while (
+            pending
+            and (not queued or pending[0].want <= budget)
+            and engine.queue(pending[0]) is QueueAnswer.QUEUED
+        ):
+            item = pending.popleft()
+            budget -= item.want
+            queued.append(item)
+        if self.faults is not None:
+            self.faults.apply([item.relative for item in queued])
         engine.submit()
         self.counters["batches"] += 1
         for completion in engine.reap():

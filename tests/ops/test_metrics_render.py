@@ -146,6 +146,11 @@ def test_render_names_labels_and_values() -> None:
     assert sample(
         f, "kvprefetchd_worker_restarts:counter", "kvprefetchd_worker_restarts_total"
     ) == 1
+    assert sample(
+        f, "kvprefetchd_workers_killed_wedged:counter", "kvprefetchd_workers_killed_wedged_total"
+    ) == 1
+    assert sample(f, "kvprefetchd_worker_silent_seconds:gauge", worker="0") == 2.5
+    assert sample(f, "kvprefetchd_worker_silent_seconds:gauge", worker="1") == 0
     assert sample(f, "kvprefetchd_queue_depth:gauge", worker="0") == 3
     assert sample(f, "kvprefetchd_queue_depth:gauge", worker="1") == 0
     assert sample(f, "kvprefetchd_queue_limit:gauge") == 8192

@@ -7,6 +7,7 @@ selector, one thread: the test pumps the loop exactly like run_once() would.
 from __future__ import annotations
 
 import os
+import resource
 import selectors
 import socket
 import stat
@@ -28,6 +29,7 @@ from kvprefetchd.metrics import (
     open_metrics_listener,
     parse_metrics_address,
 )
+from kvprefetchd.server import ACCEPT_REST
 
 BODY = b"# HELP kvprefetchd_up test\n# TYPE kvprefetchd_up gauge\nkvprefetchd_up 1.0\n"
 
@@ -370,3 +372,46 @@ def test_the_server_ignores_keys_it_does_not_own(tcp_loop: Loop) -> None:
     assert not tcp_loop.server.handles("listener")
     assert not tcp_loop.server.handles(object())
     assert tcp_loop.server.handles(tcp_loop.server)
+
+
+def test_out_of_fds_the_listener_rests_instead_of_spinning(
+    tcp_loop: Loop, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """accept(2) failing with EMFILE leaves the connection queued and the listener readable:
+    the server takes its listener out of the selector for ACCEPT_REST instead of trying
+    again at once, logs once, and lets the connection in when fds are back (real EMFILE:
+    this process's own RLIMIT_NOFILE, lowered to its lowest free fd number)."""
+    server = tcp_loop.server
+    client = connect(server)
+    client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)  # the kernel hands out the lowest free number
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        for _ in range(5):
+            tcp_loop.run_once(0.01)
+        watched = [key.fileobj for key in tcp_loop.selector.get_map().values()]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert server.listener not in watched and not server.clients
+    assert server.resting_until == clock.now + ACCEPT_REST
+    assert server.next_timeout(clock.now) == ACCEPT_REST
+    assert [r.getMessage() for r in caplog.records].count(
+        f"metrics: cannot accept connections: Too many open files; pausing accept {ACCEPT_REST}"
+        " s"
+    ) == 1
+    clock.now += ACCEPT_REST
+    received = bytearray()
+
+    def answered() -> bool:
+        try:
+            while chunk := client.recv(65536):
+                received.extend(chunk)
+            return True
+        except BlockingIOError:
+            return False
+
+    tcp_loop.pump_until(answered)
+    assert split(bytes(received))[0] == 200 and server.resting_until is None
+    client.close()

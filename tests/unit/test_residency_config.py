@@ -61,11 +61,20 @@ def test_defaults_are_valid() -> None:
         ({"colour": "blue"}, "colour"),
         ({"residency_by_root": {"/nope": "tier"}}, "residency_by_root"),
         ({"fadv_random": 1}, "fadv_random"),
+        ({"worker_timeout": 0.5}, "worker_timeout"),
+        ({"worker_timeout": -1}, "worker_timeout"),
+        ({"worker_timeout": "60"}, "worker_timeout"),
+        ({"worker_timeout": True}, "worker_timeout"),
     ],
 )
 def test_bad_values_name_their_key(values: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=f"^{key}"):
         build_config(values, {})
+
+
+@pytest.mark.parametrize("seconds", [0, 1, 2.5, 3600])
+def test_worker_timeout_is_off_or_at_least_a_second(seconds: float) -> None:
+    assert build_config({"worker_timeout": seconds}, {}).worker_timeout == seconds
 
 
 def test_flags_override_the_file(tmp_path: Path) -> None:
