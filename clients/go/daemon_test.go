@@ -6,10 +6,12 @@ package kvprefetch_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"sync"
 	"testing"
 	"time"
@@ -43,7 +45,7 @@ var shared struct {
 }
 
 // sharedDaemon is the daemon most tests use, started once.
-func sharedDaemon(t *testing.T) *daemontest.Daemon {
+func sharedDaemon(t testing.TB) *daemontest.Daemon {
 	t.Helper()
 	bin := daemontest.Binary(t)
 	shared.once.Do(func() {
@@ -305,6 +307,65 @@ func TestPrefetchBlocksWithInlineProfileAndBlockHashes(t *testing.T) {
 	}
 	if len(res.Paths) != 4 || len(res.BlockHashes) != 1 || res.BlockHashes[0][1] != fmt.Sprintf("%064x", hashes[1]) {
 		t.Fatalf("resolve with block hashes: %+v", res)
+	}
+}
+
+// Every extra-key field of a prompt (cache salt, the empty salt, LoRA, multimodal items)
+// reaches the daemon as vLLM's hashing needs it: the block hashes it computes from the Go
+// client's request are the golden vectors' (made by running vLLM itself).
+func TestPromptFieldsHashAsTheVectorsSay(t *testing.T) {
+	d := sharedDaemon(t)
+	c := newClient(t, d.Socket, kvprefetch.Options{})
+	checked := 0
+	for _, era := range []string{"A", "B", "B2", "C"} {
+		var vec struct {
+			Versions []string `json:"valid_for_vllm_versions"`
+			Cases    []struct {
+				ID     string `json:"id"`
+				Inputs struct {
+					Request struct {
+						TokenIDs   []uint32               `json:"token_ids"`
+						CacheSalt  *string                `json:"cache_salt"`
+						LoRA       *kvprefetch.LoRA       `json:"lora"`
+						MMFeatures []kvprefetch.MMFeature `json:"mm_features"`
+					} `json:"request"`
+					Hash struct {
+						Algo           string  `json:"algo"`
+						PythonHashSeed *string `json:"python_hash_seed"`
+						BlockSize      int     `json:"block_size"`
+					} `json:"hash"`
+				} `json:"inputs"`
+				Expected struct {
+					BlockHashesHex []string `json:"block_hashes_hex"`
+				} `json:"expected"`
+			} `json:"cases"`
+		}
+		raw, err := os.ReadFile(filepath.Join("..", "..", "tests", "vectors", "sha256_cbor_extras_era"+era+".json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := json.Unmarshal(raw, &vec); err != nil {
+			t.Fatal(err)
+		}
+		for _, tc := range vec.Cases {
+			in := tc.Inputs
+			res, err := c.Resolve(within(t, 30*time.Second), kvprefetch.KVRequest{
+				Hash: &kvprefetch.HashSpec{Algo: in.Hash.Algo, PythonHashSeed: in.Hash.PythonHashSeed, BlockSize: in.Hash.BlockSize, VLLMVersion: vec.Versions[0]},
+				Layout: &kvprefetch.Layout{RootDir: d.Root, ModelName: "org/model", Fingerprint: "0123456789ab",
+					KVCacheGroups: []kvprefetch.KVCacheGroup{{BlockSize: in.Hash.BlockSize}}, ConnectorBlockSizeTokens: in.Hash.BlockSize},
+				Prompts: []kvprefetch.Prompt{{TokenIDs: in.Request.TokenIDs, CacheSalt: in.Request.CacheSalt, LoRA: in.Request.LoRA, MMFeatures: in.Request.MMFeatures}},
+			})
+			if err != nil {
+				t.Fatalf("era %s, %s: %v", era, tc.ID, err)
+			}
+			if len(res.BlockHashes) != 1 || !reflect.DeepEqual(res.BlockHashes[0], tc.Expected.BlockHashesHex) {
+				t.Errorf("era %s, %s: hashes %v, want %v", era, tc.ID, res.BlockHashes, tc.Expected.BlockHashesHex)
+			}
+			checked++
+		}
+	}
+	if checked < 20 {
+		t.Fatalf("only %d cases checked", checked)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -128,9 +129,12 @@ func TestNonUTF8PathIsEncodedAsBin(t *testing.T) {
 func TestKVRequestLaysItsFieldsAtTheTopLevel(t *testing.T) {
 	seed := "0"
 	wire := kvRequest{V: 1, ID: 3, Op: opPrefetchBlocks, Wait: true, KVRequest: KVRequest{
-		Hash:    &HashSpec{Algo: "sha256_cbor", PythonHashSeed: &seed, BlockSize: 16},
-		Layout:  &Layout{RootDir: "/kv", ModelName: "m", KVCacheGroups: []KVCacheGroup{{BlockSize: 16}}},
-		Prompts: []Prompt{{TokenIDs: []uint32{1, 2, 70000}}},
+		Hash:   &HashSpec{Algo: "sha256_cbor", PythonHashSeed: &seed, BlockSize: 16},
+		Layout: &Layout{RootDir: "/kv", ModelName: "m", KVCacheGroups: []KVCacheGroup{{BlockSize: 16}}},
+		Prompts: []Prompt{{TokenIDs: []uint32{1, 2, 70000}}, {
+			TokenIDs: []uint32{}, CacheSalt: &seed, LoRA: &LoRA{Name: "adapter"},
+			MMFeatures: []MMFeature{{Identifier: "img", Offset: 0, Length: 16}},
+		}},
 	}}
 	buf, err := encodeValue(&wire, DefaultMaxFrameBytes)
 	if err != nil {
@@ -154,9 +158,16 @@ func TestKVRequestLaysItsFieldsAtTheTopLevel(t *testing.T) {
 	if _, ok := hash["vllm_version"]; ok {
 		t.Fatalf("an empty vllm_version must be left out: %v", hash)
 	}
-	tokens := m["prompts"].([]any)[0].(map[string]any)["token_ids"].([]any)
-	if toInt(tokens[2]) != 70000 {
-		t.Fatalf("token ids: %v", tokens)
+	prompts := m["prompts"].([]any)
+	first, second := prompts[0].(map[string]any), prompts[1].(map[string]any)
+	if tokens := first["token_ids"].([]any); len(first) != 1 || toInt(tokens[2]) != 70000 {
+		t.Fatalf("first prompt: %v", first)
+	}
+	lora, _ := second["lora"].(map[string]any)
+	mm, _ := second["mm_features"].([]any)
+	if len(second) != 4 || second["cache_salt"] != "0" || lora["name"] != "adapter" || len(lora) != 1 || len(mm) != 1 ||
+		mm[0].(map[string]any)["identifier"] != "img" || len(second["token_ids"].([]any)) != 0 {
+		t.Fatalf("second prompt: %v", second)
 	}
 }
 
@@ -274,5 +285,51 @@ func TestDefaultSocketChain(t *testing.T) {
 	t.Setenv("XDG_RUNTIME_DIR", "")
 	if got := DefaultSocket(); got != "/tmp/kvprefetchd.sock" {
 		t.Fatalf("fallback: %s", got)
+	}
+}
+
+// BenchmarkEncodePrefetch1000 is the CPU part of a fire-and-forget Prefetch of 1,000
+// fs-connector-shaped paths: the frame, without any I/O.
+func BenchmarkEncodePrefetch1000(b *testing.B) {
+	paths := make([]string, 1000)
+	for i := range paths {
+		h := fmt.Sprintf("%064x", i*7919)
+		paths[i] = "/mnt/kv/Qwen_Qwen3-8B_07d7b166f256_r0/" + h[:3] + "/" + h[3:5] + "_g0/" + h + ".bin"
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		buf, err := encodePrefetch(uint64(i), paths, PrefetchOptions{}, nil, DefaultMaxFrameBytes)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.SetBytes(int64(buf.Len()))
+		recycleFrame(buf)
+	}
+}
+
+// BenchmarkEncodePrefetchBlocks4096 is the CPU part of a fire-and-forget PrefetchBlocks of
+// one 4,096-token prompt with an inline profile.
+func BenchmarkEncodePrefetchBlocks4096(b *testing.B) {
+	seed := "0"
+	tokens := make([]uint32, 4096)
+	for i := range tokens {
+		tokens[i] = uint32(i * 37 % 150000)
+	}
+	wire := kvRequest{V: 1, Op: opPrefetchBlocks, KVRequest: KVRequest{
+		Hash:    &HashSpec{Algo: "sha256_cbor", PythonHashSeed: &seed, BlockSize: 64, VLLMVersion: "0.23.0"},
+		Layout:  &Layout{RootDir: "/mnt/kv", ModelName: "Qwen/Qwen3-8B", Fingerprint: "07d7b166f256", KVCacheGroups: []KVCacheGroup{{BlockSize: 64}}, ConnectorBlockSizeTokens: 512},
+		Prompts: []Prompt{{TokenIDs: tokens}},
+	}}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		wire.ID = uint64(i)
+		buf, err := encodeValue(&wire, DefaultMaxFrameBytes)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.SetBytes(int64(buf.Len()))
+		recycleFrame(buf)
 	}
 }

@@ -84,3 +84,43 @@ func encodeValue(v any, maxFrame int) (*bytes.Buffer, error) {
 	}
 	return buf, nil
 }
+
+// EncodeMsgpack writes a prompt by hand (msgpack.CustomEncoder): its token ids are most of
+// a KV request, and reflection would spend far more per token than the token's bytes.
+// The map is the one the struct tags describe.
+func (p Prompt) EncodeMsgpack(enc *msgpack.Encoder) error {
+	fields := 1
+	if p.CacheSalt != nil {
+		fields++
+	}
+	if p.LoRA != nil {
+		fields++
+	}
+	if len(p.MMFeatures) > 0 {
+		fields++
+	}
+	w := mapWriter{enc: enc}
+	w.mapLen(fields)
+	w.str("token_ids")
+	w.arrayLen(len(p.TokenIDs))
+	for _, t := range p.TokenIDs {
+		w.uint(uint64(t))
+	}
+	if p.CacheSalt != nil {
+		w.str("cache_salt")
+		w.str(*p.CacheSalt)
+	}
+	if w.err == nil && p.LoRA != nil {
+		w.str("lora")
+		if w.err == nil {
+			w.err = enc.Encode(p.LoRA)
+		}
+	}
+	if w.err == nil && len(p.MMFeatures) > 0 {
+		w.str("mm_features")
+		if w.err == nil {
+			w.err = enc.Encode(p.MMFeatures)
+		}
+	}
+	return w.err
+}
