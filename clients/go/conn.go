@@ -152,16 +152,13 @@ func (c *conn) fail(err error) {
 
 // settle ends a call that its connection can no longer answer. A call the writer never
 // took goes back to its caller as errNotSent (safe to send elsewhere); one it took may
-// have been acted on, so it is lost.
+// have been acted on, so it is lost. A fire-and-forget call is lost either way: its
+// caller is gone, and such requests are never resent.
 func (c *conn) settle(k *call, err error) {
 	written := !k.state.CompareAndSwap(callQueued, callSettled)
 	c.release()
 	if k.fireAndForget {
-		if written {
-			c.stats.lost.Add(1)
-		} else {
-			c.stats.drop(k.paths)
-		}
+		c.stats.lost.Add(1)
 		return
 	}
 	switch {

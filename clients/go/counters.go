@@ -3,16 +3,16 @@ package kvprefetch
 import "sync/atomic"
 
 // Counters is a snapshot of what the client did. Fire-and-forget calls return before the
-// daemon answers, so this is where their fate shows: every one ends up in exactly one of
-// Dropped, Acked, Refused or Lost (or is still in flight).
+// daemon answers, so this is where their fate shows: each is Dropped or Sent, and each
+// Sent one ends as Acked, Refused or Lost (or is still in flight).
 type Counters struct {
 	// Fire-and-forget requests (Prefetch and PrefetchBlocks without Ack or Wait).
-	Sent         uint64 // handed to a connection
-	Dropped      uint64 // not sent: no connection or free slot in time, too large, or the connection died first
+	Dropped      uint64 // not sent: no connection or free slot in time, too large, context done
 	DroppedPaths uint64 // the paths of dropped Prefetch requests
+	Sent         uint64 // handed to a connection
 	Acked        uint64 // answered ok
 	Refused      uint64 // answered with an error (ok: false)
-	Lost         uint64 // written, but the connection died before the answer
+	Lost         uint64 // the connection ended before the answer (the request is not resent)
 
 	// The daemon's counts over the acknowledged fire-and-forget requests: files queued,
 	// dropped on a full worker queue, and rejected before any I/O.

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -388,5 +389,61 @@ func TestOptionsAreChecked(t *testing.T) {
 		if _, err := New(o); err == nil {
 			t.Errorf("%+v accepted", o)
 		}
+	}
+}
+
+// When a connection ends, each call on it is settled by whether the writer had taken it:
+// a sync call not yet written comes back as errNotSent (the client sends it elsewhere), a
+// written one as ErrConnectionLost; a fire-and-forget one is Lost either way.
+func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fds[1])
+	f := os.NewFile(uintptr(fds[0]), "pair")
+	nc, err := net.FileConn(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts, _ := Options{SocketPath: "pair", MaxInFlight: 4}.withDefaults()
+	var stats counters
+	// The connection without its goroutines, so nothing takes the calls but the test.
+	c := &conn{
+		nc: nc.(*net.UnixConn), opts: &opts, stats: &stats,
+		slots: make(chan struct{}, 4), sendq: make(chan *call, 4), done: make(chan struct{}),
+		pending: make(map[uint64]*call),
+	}
+	queued := &call{id: 1, done: make(chan result, 1)}
+	written := &call{id: 2, done: make(chan result, 1)}
+	ffQueued := &call{id: 3, fireAndForget: true, paths: 7}
+	ffWritten := &call{id: 4, fireAndForget: true}
+	for _, k := range []*call{queued, written, ffQueued, ffWritten} {
+		if !c.tryAcquire() {
+			t.Fatal("no slot")
+		}
+		if err := c.send(k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	written.state.Store(callTaken)
+	ffWritten.state.Store(callTaken)
+	c.fail(errors.New("daemon went away"))
+
+	if res := <-queued.done; res.err != errNotSent {
+		t.Fatalf("queued call: %v, want errNotSent", res.err)
+	}
+	if res := <-written.done; !errors.Is(res.err, ErrConnectionLost) {
+		t.Fatalf("written call: %v, want ErrConnectionLost", res.err)
+	}
+	if got := stats.snapshot(); got.Lost != 2 || got.Dropped != 0 {
+		t.Fatalf("fire-and-forget calls: %+v", got)
+	}
+	if len(c.slots) != 0 {
+		t.Fatalf("%d slots still held", len(c.slots))
+	}
+	if err := c.send(&call{id: 5}); err != errNotSent {
+		t.Fatalf("send on an ended connection: %v", err)
 	}
 }
