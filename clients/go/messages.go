@@ -1,0 +1,158 @@
+package kvprefetch
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// PrefetchOptions say how Prefetch and PrefetchBlocks are sent and answered. The zero value
+// is fire-and-forget with the daemon's default head size.
+type PrefetchOptions struct {
+	// Ack waits for the daemon's acknowledgement (accepted, dropped and rejected counts),
+	// which comes as soon as the files are queued. Without Ack or Wait the call returns once
+	// the request is handed to a connection, and the acknowledgement is only counted (see
+	// Counters).
+	Ack bool
+	// Wait asks the daemon to answer once every accepted file has an outcome (implies Ack).
+	Wait bool
+	// ReadBytes is the head of each file to warm; 0 means the daemon's read_bytes.
+	ReadBytes int64
+	// Timeout bounds a Wait on the daemon's side (timeout_ms): files not done by then are
+	// counted `expired`. When zero, it is derived from the context's deadline (or
+	// Options.CallTimeout), so the daemon answers with what it has before the caller gives up.
+	Timeout time.Duration
+}
+
+func (o PrefetchOptions) fireAndForget() bool { return !o.Ack && !o.Wait }
+
+func (o PrefetchOptions) check() error {
+	if o.ReadBytes < 0 {
+		return errors.New("kvprefetch: ReadBytes must not be negative")
+	}
+	if o.Timeout < 0 {
+		return errors.New("kvprefetch: Timeout must not be negative")
+	}
+	if o.Timeout > 0 && !o.Wait {
+		// The protocol gives timeout_ms meaning only with wait; sending it alone would be
+		// silently ignored, hiding the caller's mistake.
+		return errors.New("kvprefetch: Timeout applies only with Wait")
+	}
+	return nil
+}
+
+// timeoutMS is the timeout_ms to send: the caller's, else most of the time left before
+// the call's deadline, keeping a tenth for the reply to travel back.
+func (o PrefetchOptions) timeoutMS(ctx context.Context) *int64 {
+	if !o.Wait {
+		return nil
+	}
+	var ms int64
+	if o.Timeout > 0 {
+		ms = o.Timeout.Milliseconds()
+	} else if deadline, ok := ctx.Deadline(); ok {
+		ms = (time.Until(deadline) * 9 / 10).Milliseconds()
+	} else {
+		return nil
+	}
+	if ms < 0 {
+		ms = 0
+	}
+	return &ms
+}
+
+// KVRequest names how to hash and where the files live, then the prompts
+// (docs/protocol.md, "KV requests"). Give Model (a profile in the daemon's configuration)
+// or Hash and Layout inline; then Prompts, or BlockHashes already computed.
+type KVRequest struct {
+	Model       string     `msgpack:"model,omitempty"`
+	Hash        *HashSpec  `msgpack:"hash,omitempty"`
+	Layout      *Layout    `msgpack:"layout,omitempty"`
+	Prompts     []Prompt   `msgpack:"prompts,omitempty"`
+	BlockHashes [][][]byte `msgpack:"block_hashes,omitempty"` // per prompt, 32-byte hashes
+}
+
+// HashSpec is how vLLM hashes blocks. The field names are the daemon's profile keys.
+type HashSpec struct {
+	Algo string `msgpack:"algo"` // vLLM --prefix-caching-hash-algo: "sha256_cbor" or "sha256"
+	// PythonHashSeed is vLLM's PYTHONHASHSEED; nil when it is unset.
+	PythonHashSeed      *string `msgpack:"python_hash_seed,omitempty"`
+	BlockSize           int     `msgpack:"block_size"`             // vLLM --block-size, tokens
+	VLLMVersion         string  `msgpack:"vllm_version,omitempty"` // selects the extra-key era
+	HashBlockSizeTokens int     `msgpack:"hash_block_size_tokens,omitempty"`
+}
+
+// Layout is where the fs connector writes the files. Zero sizes mean the daemon's default.
+type Layout struct {
+	RootDir                  string         `msgpack:"root_dir"`
+	ModelName                string         `msgpack:"model_name"` // vLLM --model as given
+	TPSize                   int            `msgpack:"tp_size,omitempty"`
+	PPSize                   int            `msgpack:"pp_size,omitempty"`
+	PCPSize                  int            `msgpack:"pcp_size,omitempty"`
+	DCPSize                  int            `msgpack:"dcp_size,omitempty"`
+	Dtype                    string         `msgpack:"dtype,omitempty"`
+	KVCacheGroups            []KVCacheGroup `msgpack:"kv_cache_groups"`
+	ConnectorBlockSizeTokens int            `msgpack:"connector_block_size_tokens,omitempty"`
+	// Fingerprint is the 12-hex folder tag, or "discover" to let the daemon find it on disk.
+	Fingerprint       string         `msgpack:"fingerprint,omitempty"`
+	FingerprintFields map[string]any `msgpack:"fingerprint_fields,omitempty"`
+}
+
+// KVCacheGroup is one of the model's KV-cache groups.
+type KVCacheGroup struct {
+	BlockSize  int      `msgpack:"block_size"`
+	LayerNames []string `msgpack:"layer_names,omitempty"`
+}
+
+// Prompt is one prompt's tokens and what vLLM mixes into its block hashes.
+type Prompt struct {
+	TokenIDs   []uint32    `msgpack:"token_ids"`
+	CacheSalt  *string     `msgpack:"cache_salt,omitempty"`
+	LoRA       *LoRA       `msgpack:"lora,omitempty"`
+	MMFeatures []MMFeature `msgpack:"mm_features,omitempty"`
+}
+
+// LoRA names the adapter a prompt runs with.
+type LoRA struct {
+	Name string `msgpack:"name"`
+	Path string `msgpack:"path,omitempty"`
+}
+
+// MMFeature is one multimodal item's placeholder range and vLLM's hash of it.
+type MMFeature struct {
+	Identifier string `msgpack:"identifier"`
+	Offset     int    `msgpack:"offset"`
+	Length     int    `msgpack:"length"`
+}
+
+// BlocksRequest is a PrefetchBlocks call: the KV request and how to send it.
+type BlocksRequest struct {
+	KVRequest
+	PrefetchOptions
+}
+
+// PingResult is the daemon's answer to Ping.
+type PingResult struct {
+	Version  string // daemon version
+	Protocol int    // protocol version it speaks
+	Engine   string // io_uring, fadvise or pread
+	Workers  int
+}
+
+// PrefetchResult is the daemon's answer to an acknowledged or waited prefetch.
+type PrefetchResult struct {
+	Accepted int // queued to a worker
+	Dropped  int // found their worker's queue full: counted, never waited for
+	Rejected int // refused before any I/O (outside the roots, relative, ...)
+	// Outcomes (Wait only) counts the accepted files by outcome; every name is present.
+	Outcomes map[string]int
+	Elapsed  time.Duration // Wait only
+	Files    int           // PrefetchBlocks only: the paths the request mapped to
+}
+
+// Resolution is what a KV request maps to, without any I/O.
+type Resolution struct {
+	BlockHashes [][]string // lower-case hex, one chain per prompt
+	Paths       []string   // rank, then group, then file order
+	Fingerprint string     // the folder tag the daemon used
+}

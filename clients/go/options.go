@@ -1,0 +1,103 @@
+package kvprefetch
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// SystemdSocket is where the systemd units put the daemon's socket.
+const SystemdSocket = "/run/kvprefetchd/kvprefetchd.sock"
+
+// Defaults for the zero values of Options.
+const (
+	DefaultPoolSize             = 2
+	DefaultMaxInFlight          = 64
+	DefaultFireAndForgetTimeout = time.Millisecond
+	DefaultCallTimeout          = 5 * time.Second
+	DefaultDialTimeout          = time.Second
+	DefaultReconnectMin         = 10 * time.Millisecond
+	DefaultReconnectMax         = 500 * time.Millisecond
+)
+
+// Options configure a Client. Zero values take the defaults above.
+type Options struct {
+	// SocketPath is the daemon's Unix socket; empty means DefaultSocket().
+	SocketPath string
+	// PoolSize is how many connections the client keeps open. Requests are spread over
+	// them, so one slow reply (a Wait) never queues the others behind it.
+	PoolSize int
+	// MaxInFlight bounds requests sent (or queued to send) and not yet answered, per
+	// connection. It bounds the client's memory when the daemon falls behind: a
+	// fire-and-forget request that finds every slot taken is dropped, not queued.
+	MaxInFlight int
+	// FireAndForgetTimeout is the longest a fire-and-forget Prefetch or PrefetchBlocks
+	// waits for a connection and a free slot before dropping the request. It is the bound
+	// on how long the router's request path can be held up, so keep it short.
+	FireAndForgetTimeout time.Duration
+	// CallTimeout bounds calls that wait for a reply when their context has no deadline.
+	// A Wait's own Timeout is added to it.
+	CallTimeout time.Duration
+	// DialTimeout bounds one connection attempt.
+	DialTimeout time.Duration
+	// ReconnectMin and ReconnectMax bound the backoff between connection attempts while
+	// the daemon is away (restarting, say); the delay doubles from Min up to Max, with
+	// jitter so that many routers do not reconnect in step.
+	ReconnectMin time.Duration
+	ReconnectMax time.Duration
+	// MaxFrameBytes refuses larger requests locally and larger replies as protocol errors;
+	// keep it at the daemon's max_frame_bytes.
+	MaxFrameBytes int
+}
+
+// DefaultSocket is the socket a daemon started with no configuration binds, found by the
+// same chain the daemon and the Python client use: $KVPREFETCHD_SOCKET; the systemd path
+// if it exists; $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR (first entry); /tmp.
+func DefaultSocket() string {
+	if explicit := os.Getenv("KVPREFETCHD_SOCKET"); explicit != "" {
+		return explicit
+	}
+	if _, err := os.Stat(SystemdSocket); err == nil {
+		return SystemdSocket
+	}
+	for _, env := range []string{"RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"} {
+		if base := os.Getenv(env); base != "" {
+			return filepath.Join(strings.SplitN(base, ":", 2)[0], "kvprefetchd.sock")
+		}
+	}
+	return "/tmp/kvprefetchd.sock"
+}
+
+// withDefaults checks the options and fills in the zero values.
+func (o Options) withDefaults() (Options, error) {
+	if o.PoolSize < 0 || o.MaxInFlight < 0 || o.MaxFrameBytes < 0 {
+		return o, errors.New("kvprefetch: PoolSize, MaxInFlight and MaxFrameBytes must not be negative")
+	}
+	if o.FireAndForgetTimeout < 0 || o.CallTimeout < 0 || o.DialTimeout < 0 ||
+		o.ReconnectMin < 0 || o.ReconnectMax < 0 {
+		return o, errors.New("kvprefetch: timeouts must not be negative")
+	}
+	if o.SocketPath == "" {
+		o.SocketPath = DefaultSocket()
+	}
+	setDefault(&o.PoolSize, DefaultPoolSize)
+	setDefault(&o.MaxInFlight, DefaultMaxInFlight)
+	setDefault(&o.MaxFrameBytes, DefaultMaxFrameBytes)
+	setDefault(&o.FireAndForgetTimeout, DefaultFireAndForgetTimeout)
+	setDefault(&o.CallTimeout, DefaultCallTimeout)
+	setDefault(&o.DialTimeout, DefaultDialTimeout)
+	setDefault(&o.ReconnectMin, DefaultReconnectMin)
+	setDefault(&o.ReconnectMax, DefaultReconnectMax)
+	if o.ReconnectMax < o.ReconnectMin {
+		o.ReconnectMax = o.ReconnectMin
+	}
+	return o, nil
+}
+
+func setDefault[T int | time.Duration](v *T, def T) {
+	if *v == 0 {
+		*v = def
+	}
+}

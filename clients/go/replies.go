@@ -1,0 +1,193 @@
+package kvprefetch
+
+import (
+	"bytes"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// reply is every field a v1 reply may carry; each op reads its own. Pointers tell a
+// missing field from a zero, so a daemon that drifts from the protocol fails here with the
+// field's name rather than later in the caller's code. Unknown keys are skipped, so a newer
+// daemon may add figures.
+type reply struct {
+	ID    *uint64     `msgpack:"id"`
+	OK    *bool       `msgpack:"ok"`
+	Error *replyError `msgpack:"error"`
+
+	Version  *string `msgpack:"version"`
+	Protocol *int    `msgpack:"protocol"`
+	Engine   *string `msgpack:"engine"`
+	Workers  *int    `msgpack:"workers"`
+
+	Accepted  *int           `msgpack:"accepted"`
+	Dropped   *int           `msgpack:"dropped"`
+	Rejected  *int           `msgpack:"rejected"`
+	Outcomes  map[string]int `msgpack:"outcomes"`
+	ElapsedUS *int64         `msgpack:"elapsed_us"`
+	Files     *int           `msgpack:"files"`
+
+	BlockHashes [][]string `msgpack:"block_hashes"`
+	Paths       []string   `msgpack:"paths"` // a bin path arrives as its bytes
+	Fingerprint *string    `msgpack:"fingerprint"`
+
+	Stats msgpack.RawMessage `msgpack:"stats"` // decoded only when asked for
+}
+
+type replyError struct {
+	Code    string `msgpack:"code"`
+	Message string `msgpack:"message"`
+}
+
+// decodeReply decodes one frame's payload into its one map.
+func decodeReply(dec *msgpack.Decoder, src *bytes.Reader, payload []byte) (*reply, error) {
+	src.Reset(payload)
+	dec.Reset(src)
+	r := new(reply)
+	if err := dec.Decode(r); err != nil {
+		return nil, &ProtocolError{Reason: "undecodable reply: " + err.Error()}
+	}
+	if src.Len() != 0 {
+		return nil, &ProtocolError{Reason: "frame holds more than one msgpack value"}
+	}
+	return r, nil
+}
+
+// check turns `ok: false` into a *ServerError.
+func (r *reply) check() error {
+	if r.OK == nil {
+		return &ProtocolError{Reason: "reply without a boolean 'ok'"}
+	}
+	if *r.OK {
+		return nil
+	}
+	if r.Error == nil {
+		return &ProtocolError{Reason: "error reply without an 'error' map"}
+	}
+	e := &ServerError{Code: r.Error.Code, Message: r.Error.Message}
+	if r.ID != nil {
+		e.RequestID = *r.ID
+	}
+	return e
+}
+
+func missing(field string) error {
+	return &ProtocolError{Reason: "reply lacks '" + field + "'"}
+}
+
+func (r *reply) ping() (PingResult, error) {
+	switch {
+	case r.Version == nil:
+		return PingResult{}, missing("version")
+	case r.Protocol == nil:
+		return PingResult{}, missing("protocol")
+	case r.Engine == nil:
+		return PingResult{}, missing("engine")
+	case r.Workers == nil:
+		return PingResult{}, missing("workers")
+	}
+	return PingResult{Version: *r.Version, Protocol: *r.Protocol, Engine: *r.Engine, Workers: *r.Workers}, nil
+}
+
+func (r *reply) prefetch() (PrefetchResult, error) {
+	switch {
+	case r.Accepted == nil:
+		return PrefetchResult{}, missing("accepted")
+	case r.Dropped == nil:
+		return PrefetchResult{}, missing("dropped")
+	case r.Rejected == nil:
+		return PrefetchResult{}, missing("rejected")
+	}
+	res := PrefetchResult{Accepted: *r.Accepted, Dropped: *r.Dropped, Rejected: *r.Rejected, Outcomes: r.Outcomes}
+	if r.ElapsedUS != nil {
+		res.Elapsed = time.Duration(*r.ElapsedUS) * time.Microsecond
+	}
+	if r.Files != nil {
+		res.Files = *r.Files
+	}
+	return res, nil
+}
+
+func (r *reply) resolution() (Resolution, error) {
+	if r.BlockHashes == nil {
+		return Resolution{}, missing("block_hashes")
+	}
+	if r.Paths == nil {
+		return Resolution{}, missing("paths")
+	}
+	res := Resolution{BlockHashes: r.BlockHashes, Paths: r.Paths}
+	if r.Fingerprint != nil {
+		res.Fingerprint = *r.Fingerprint
+	}
+	return res, nil
+}
+
+// stats decodes the stats map with plain Go types: int64 (uint64 only above MaxInt64),
+// float64, string, bool, nil, []any and map[string]any (a non-string key, should a daemon
+// send one, becomes its text). msgpack's integer widths are the encoder's choice, so they
+// are not passed on: a counter stays an int64 as it grows.
+func (r *reply) stats() (map[string]any, error) {
+	if len(r.Stats) == 0 {
+		return nil, missing("stats")
+	}
+	dec := msgpack.NewDecoder(bytes.NewReader(r.Stats))
+	dec.UseLooseInterfaceDecoding(true)
+	dec.SetMapDecoder(decodeLooseMap)
+	v, err := dec.DecodeInterfaceLoose()
+	if err != nil {
+		return nil, &ProtocolError{Reason: "undecodable stats: " + err.Error()}
+	}
+	m, ok := normalize(v).(map[string]any)
+	if !ok {
+		return nil, &ProtocolError{Reason: "'stats' is not a map"}
+	}
+	return m, nil
+}
+
+// normalize turns every integer that fits into an int64.
+func normalize(v any) any {
+	switch x := v.(type) {
+	case uint64:
+		if x <= math.MaxInt64 {
+			return int64(x)
+		}
+	case []any:
+		for i := range x {
+			x[i] = normalize(x[i])
+		}
+	case map[string]any:
+		for k := range x {
+			x[k] = normalize(x[k])
+		}
+	}
+	return v
+}
+
+// decodeLooseMap is the stats map decoder: string keys as they are, any other key as its
+// text, so one odd key never makes the whole map undecodable.
+func decodeLooseMap(d *msgpack.Decoder) (any, error) {
+	n, err := d.DecodeMapLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	m := make(map[string]any, n)
+	for i := 0; i < n; i++ {
+		k, err := d.DecodeInterfaceLoose()
+		if err != nil {
+			return nil, err
+		}
+		v, err := d.DecodeInterfaceLoose()
+		if err != nil {
+			return nil, err
+		}
+		key, ok := k.(string)
+		if !ok {
+			key = fmt.Sprint(k)
+		}
+		m[key] = v
+	}
+	return m, nil
+}

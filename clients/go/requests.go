@@ -1,0 +1,134 @@
+package kvprefetch
+
+import (
+	"bytes"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// encodePrefetch builds a prefetch frame by hand: this is the call a router makes per
+// request, so it avoids reflection (see mapWriter).
+func encodePrefetch(id uint64, paths []string, o PrefetchOptions, timeoutMS *int64, maxFrame int) (*bytes.Buffer, error) {
+	buf := newFrame()
+	// One allocation of the right size when the pool is empty (it is emptied at every
+	// GC), instead of doubling a fresh buffer a dozen times: each path costs its bytes
+	// plus at most 5 of msgpack header.
+	size := 96
+	for _, p := range paths {
+		size += len(p) + 5
+	}
+	buf.Grow(size)
+	err := withEncoder(buf, func(enc *msgpack.Encoder) error {
+		w := mapWriter{enc: enc}
+		fields := 4
+		if o.Wait {
+			fields++
+		}
+		if o.ReadBytes > 0 {
+			fields++
+		}
+		if timeoutMS != nil {
+			fields++
+		}
+		w.mapLen(fields)
+		w.envelope(id, opPrefetch)
+		w.str("paths")
+		w.arrayLen(len(paths))
+		for _, p := range paths {
+			w.path(p)
+		}
+		if o.Wait {
+			w.str("wait")
+			w.bool(true)
+		}
+		if o.ReadBytes > 0 {
+			w.str("read_bytes")
+			w.uint(uint64(o.ReadBytes))
+		}
+		if timeoutMS != nil {
+			w.str("timeout_ms")
+			w.uint(uint64(*timeoutMS))
+		}
+		return w.err
+	})
+	if err == nil {
+		err = sealFrame(buf, maxFrame)
+	}
+	if err != nil {
+		recycleFrame(buf)
+		return nil, err
+	}
+	return buf, nil
+}
+
+// plainRequest is a request with no fields beyond the envelope (ping, stats).
+type plainRequest struct {
+	V  int    `msgpack:"v"`
+	ID uint64 `msgpack:"id"`
+	Op string `msgpack:"op"`
+}
+
+// kvRequest is resolve and prefetch_blocks: the envelope, the KV request's fields at the
+// top level (as the protocol lays them out), and the warm options.
+type kvRequest struct {
+	V         int    `msgpack:"v"`
+	ID        uint64 `msgpack:"id"`
+	Op        string `msgpack:"op"`
+	KVRequest `msgpack:",inline"`
+	Wait      bool   `msgpack:"wait,omitempty"`
+	ReadBytes int64  `msgpack:"read_bytes,omitempty"`
+	TimeoutMS *int64 `msgpack:"timeout_ms,omitempty"`
+}
+
+func encodeValue(v any, maxFrame int) (*bytes.Buffer, error) {
+	buf := newFrame()
+	err := withEncoder(buf, func(enc *msgpack.Encoder) error { return enc.Encode(v) })
+	if err == nil {
+		err = sealFrame(buf, maxFrame)
+	}
+	if err != nil {
+		recycleFrame(buf)
+		return nil, err
+	}
+	return buf, nil
+}
+
+// EncodeMsgpack writes a prompt by hand (msgpack.CustomEncoder): its token ids are most of
+// a KV request, and reflection would spend far more per token than the token's bytes.
+// The map is the one the struct tags describe.
+func (p Prompt) EncodeMsgpack(enc *msgpack.Encoder) error {
+	fields := 1
+	if p.CacheSalt != nil {
+		fields++
+	}
+	if p.LoRA != nil {
+		fields++
+	}
+	if len(p.MMFeatures) > 0 {
+		fields++
+	}
+	w := mapWriter{enc: enc}
+	w.mapLen(fields)
+	w.str("token_ids")
+	w.arrayLen(len(p.TokenIDs))
+	for _, t := range p.TokenIDs {
+		w.uint(uint64(t))
+	}
+	if p.CacheSalt != nil {
+		w.str("cache_salt")
+		w.str(*p.CacheSalt)
+	}
+	if w.err == nil && p.LoRA != nil {
+		w.str("lora")
+		if w.err == nil {
+			w.err = enc.Encode(p.LoRA)
+		}
+	}
+	if w.err == nil && len(p.MMFeatures) > 0 {
+		w.str("mm_features")
+		if w.err == nil {
+			w.err = enc.Encode(p.MMFeatures)
+		}
+	}
+	return w.err
+}
