@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from daemon_harness import Daemon, RawConnection, make_file, start_daemon
+from real_eio import real_eio
 
 KIB = 1024
 SETTLED = ("read", "resident", "missing", "rejected", "failed")
@@ -260,33 +261,10 @@ def alive(processes: list[psutil.Process]) -> list[int]:
 # ---- EIO ----------------------------------------------------------------------------------------
 
 
-SYSFS_CPU = "/sys/devices/system/cpu"
-EIO_ATTRIBUTE = "power/autosuspend_delay_ms"
-
-
-def a_real_eio() -> str:
-    """sysfs' power/autosuspend_delay_ms is a regular file (0644, st_size 4096) whose read
-    fails with EIO when the device does not use autosuspend (drivers/base/power/sysfs.c
-    autosuspend_delay_ms_show); tests/native uses the same one."""
-    path = os.path.join(SYSFS_CPU, EIO_ATTRIBUTE)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as error:
-        pytest.skip(f"{path}: {error}")
-    try:
-        os.pread(fd, 4096, 0)
-        pytest.skip(f"{path} is readable here")
-    except OSError as error:
-        if error.errno != errno.EIO:
-            pytest.skip(f"{path}: {error}")
-    finally:
-        os.close(fd)
-    return path
-
-
 def test_a_read_that_fails_with_eio_is_failed_and_the_worker_lives(daemon_factory: Any) -> None:
-    eio = a_real_eio()
-    d: Daemon = daemon_factory("--root", SYSFS_CPU)
+    base, rel = real_eio()
+    eio = os.path.join(base, rel)
+    d: Daemon = daemon_factory("--root", base)
     good = [str(make_file(d.root / f"e{i}.bin", 32 * KIB)) for i in range(8)]
     pids = d.worker_pids()
     for _ in range(2):  # a failure is not remembered as warm: the second try reads again

@@ -8,7 +8,6 @@ that the process's descriptor count is the same before and after every batch.
 
 from __future__ import annotations
 
-import errno
 import faulthandler
 import os
 import socket
@@ -33,6 +32,7 @@ from native_helpers import (
 )
 
 from kvprefetchd._native import lib
+from real_eio import real_eio
 
 # With FADV_RANDOM a read brings in what it asks for, not a readahead window;
 # measured: exactly the head on ext4 (slack 0).  Leave room for one large folio.
@@ -182,23 +182,8 @@ def test_device_node_needs_root(root) -> None:
 
 
 def test_read_error_is_failed_with_its_errno(engine: str) -> None:
-    """An honest EIO: sysfs' power/autosuspend_delay_ms is a regular file
-    (0644, st_size 4096) whose read fails with EIO when the device does not use
-    autosuspend (drivers/base/power/sysfs.c autosuspend_delay_ms_show)."""
-    base = "/sys/devices/system/cpu"
-    rel = "power/autosuspend_delay_ms"
-    try:
-        fd = os.open(os.path.join(base, rel), os.O_RDONLY)
-    except OSError as e:
-        pytest.skip(f"{base}/{rel}: {e}")
-    try:
-        os.pread(fd, 4096, 0)
-        pytest.skip(f"{base}/{rel} is readable here")
-    except OSError as e:
-        if e.errno != errno.EIO:
-            pytest.skip(f"{base}/{rel}: {e}")
-    finally:
-        os.close(fd)
+    """An honest EIO (tests/real_eio.py)."""
+    base, rel = real_eio()
     root_fd = os.open(base, os.O_PATH | os.O_DIRECTORY)
     try:
         res = Ctx(engine).run(root_fd, [rel], 64 * KiB)
