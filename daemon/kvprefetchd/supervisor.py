@@ -112,7 +112,8 @@ class Supervisor:
         self.reload_from = reload_from
         self.roots = Roots(config.roots, config.max_path_bytes)
         self.limits = Limits(
-            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
+            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes,
+            config.max_tokens,
         )
         self.rules: list[RootRule] = [
             choose_rule(root, config.residency_for(root)) for root in config.roots
@@ -268,7 +269,8 @@ class Supervisor:
         self.config = config
         self.peer_policy = None  # rebuilt with the new allowed ids on the next connection
         self.limits = Limits(
-            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
+            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes,
+            config.max_tokens,
         )
         self.kv.reconfigure(
             config.models,
