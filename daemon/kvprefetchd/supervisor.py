@@ -141,6 +141,7 @@ class Supervisor:
             kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens),
             allow_inline=config.allow_inline_layouts,
             stale_streak=config.stale_streak,
+            roots=config.roots,
         )
         self.workers: list[WorkerHandle | None] = [None] * config.worker_count
         self.selector = selectors.DefaultSelector()
