@@ -200,12 +200,14 @@ class LoadRun:
 
     def wait(self, poll: Callable[[], None] | None = None, interval: float = 1.0
              ) -> list[ClientResult]:
-        """Every client's result; `poll` is called every `interval` s meanwhile."""
+        """Every client's result; `poll` is called every `interval` s meanwhile (once at least)."""
         try:
-            while not self.pending.ready():
+            while True:
                 self.pending.wait(interval)
                 if poll is not None:
                     poll()
+                if self.pending.ready():
+                    break
             results: list[ClientResult] = self.pending.get()
         finally:
             self.pool.close()
