@@ -1,7 +1,7 @@
 """Soak: a million requests, and the daemon's memory and open fds sampled all along.
 
 A leak that costs a few bytes or one fd per request is invisible in any test and
-fatal after a week of routing. This runs bench/load.py's router-like clients for
+fatal after a week of routing. This runs bench/loadgen.py's router-like clients for
 `--requests` requests in total (10^6 by default: minutes, not hours, on a 2-CPU VM)
 and samples, every `--interval` seconds with psutil, the RSS and the open fds of the
 supervisor and of each worker, plus the daemon's request count (its stats op).
@@ -37,7 +37,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import datasets
-import load
+import loadgen
 
 BAND = 0.05  # +-5% of the first sample after warm-up
 
@@ -55,14 +55,14 @@ class Sampler:
 
     def stats(self) -> dict[str, Any]:
         data = msgpack.packb({"v": 1, "id": 1, "op": "stats"}, use_bin_type=True)
-        self.sock.sendall(load.HEADER.pack(len(data)) + data)
-        while len(self.buffer) < 4 or len(self.buffer) < 4 + load.HEADER.unpack_from(
+        self.sock.sendall(loadgen.HEADER.pack(len(data)) + data)
+        while len(self.buffer) < 4 or len(self.buffer) < 4 + loadgen.HEADER.unpack_from(
                 self.buffer)[0]:
             chunk = self.sock.recv(1 << 20)
             if not chunk:
                 raise ConnectionError("the daemon closed the sampler's connection")
             self.buffer += chunk
-        (length,) = load.HEADER.unpack_from(self.buffer)
+        (length,) = loadgen.HEADER.unpack_from(self.buffer)
         reply = msgpack.unpackb(self.buffer[4:4 + length], raw=False)
         self.buffer = self.buffer[4 + length:]
         stats: dict[str, Any] = reply["stats"]
@@ -150,25 +150,26 @@ def run_soak(socket_path: str, *, requests: int, clients: int, paths: Sequence[s
              pipeline: int = 1, seed: int = 1) -> dict[str, Any]:
     """Drive `requests` requests over `clients` processes while sampling; the figures."""
     per_client = max(1, requests // clients)
-    plans = load.plans_for(socket_path, paths, clients=clients, requests_per_client=per_client,
-                           paths_per_request=(1, 64), mix=load.DEFAULT_MIX, pipeline=pipeline,
-                           seed=seed, layout=layout, idle_timeout=120.0)
+    plans = loadgen.plans_for(socket_path, paths, clients=clients,
+                              requests_per_client=per_client, paths_per_request=(1, 64),
+                              mix=loadgen.DEFAULT_MIX, pipeline=pipeline, seed=seed,
+                              layout=layout, idle_timeout=120.0)
     started = time.perf_counter()
     sampler = Sampler(socket_path, started)
     try:
         before = sampler.sample()
         samples: list[dict[str, Any]] = []
-        run = load.LoadRun(plans)
+        run = loadgen.LoadRun(plans)
         results = run.wait(lambda: samples.append(sampler.sample()), interval)
-        stats = load.settle(socket_path)
+        stats = loadgen.settle(socket_path)
         # Judged: the samples taken while the clients ran. Before and after (no client
         # connected, no request queued) are reported beside them: fewer fds is no leak.
         after = sampler.sample()
     finally:
         sampler.close()
-    return {"requests": per_client * clients, "load": load.summarize(results, run.seconds),
+    return {"requests": per_client * clients, "load": loadgen.summarize(results, run.seconds),
             "duration_s": round(time.perf_counter() - started, 1),
-            "books": load.books_balance(stats), "worker_restarts": stats["worker_restarts"],
+            "books": loadgen.books_balance(stats), "worker_restarts": stats["worker_restarts"],
             "steady": judge(samples, warmup), "idle_before": before, "idle_after": after,
             "samples": samples}
 
@@ -188,15 +189,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ds = datasets.dataset(args.dataset, base=args.base)
     paths = datasets.ensure(ds, quiet=True)
-    daemon: load.OwnDaemon | None = None
+    daemon: loadgen.OwnDaemon | None = None
     socket_path = args.socket
     if socket_path is None:
-        daemon = load.start_daemon(ds.root, Path(tempfile.mkdtemp(prefix="kvsoak-")),
-                                   workers=args.workers)
+        daemon = loadgen.start_daemon(ds.root, Path(tempfile.mkdtemp(prefix="kvsoak-")),
+                                      workers=args.workers)
         socket_path = daemon.socket_path
     try:
         result = run_soak(socket_path, requests=args.requests, clients=args.clients,
-                          paths=paths, layout=load.blocks_layout(ds), interval=args.interval,
+                          paths=paths, layout=loadgen.blocks_layout(ds), interval=args.interval,
                           warmup=args.warmup)
     finally:
         if daemon is not None:

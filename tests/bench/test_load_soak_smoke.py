@@ -1,4 +1,4 @@
-"""bench/load.py and bench/soak.py run end to end on a tiny set and write JSON of the
+"""bench/loadgen.py and bench/soak.py run end to end on a tiny set and write JSON of the
 promised shape: shape only, never their numbers (a few thousand requests on a shared
 machine measure nothing; the soak's 10^6 requests are a benchmark, not a test)."""
 
@@ -33,7 +33,7 @@ def check_load_figures(figures: dict[str, Any], sent: int) -> None:
 
 
 def test_load_cli_writes_its_figures(tmp_path: Path) -> None:
-    run("load.py", "--clients", "2", "--requests", "300", "--dataset", "100x4KiB",
+    run("loadgen.py", "--clients", "2", "--requests", "300", "--dataset", "100x4KiB",
         "--base", str(tmp_path / "data"), "--out", str(tmp_path / "out"))
     result = json.loads((tmp_path / "out" / "load.json").read_text())
     check_load_figures(result, 600)

@@ -1,7 +1,7 @@
 """Eight routers at once against the real daemon: every request answered, the books balance.
 
 8 client processes x 10,000 requests, each on its own connection, closed loop, the
-router-like mix of bench/load.py (90% fire-and-forget prefetch of 1-64 files of a KV
+router-like mix of bench/loadgen.py (90% fire-and-forget prefetch of 1-64 files of a KV
 tree, 5% prefetch_blocks, 5% ping). Dropped files are allowed (a full worker queue drops,
 by design, and the ack says so); a lost request, an error or an unbalanced book is not.
 The ack latency percentiles are recorded (printed, and written as JSON), never asserted:
@@ -28,17 +28,18 @@ def test_8_clients_x_10000_requests_are_all_answered_and_the_books_balance(
     sys.path.insert(0, str(BENCH))
     try:
         import datasets
-        import load
+        import loadgen
     finally:
         sys.path.remove(str(BENCH))
     ds = datasets.dataset("1000x16KiB", base=tmp_path / "data")
     paths = datasets.ensure(ds, quiet=True)
     daemon: Daemon = daemon_factory("--log-level", "info", root=ds.root)
 
-    result = load.run_load(daemon.socket_path, clients=CLIENTS, requests_per_client=REQUESTS,
-                           paths=paths, layout=load.blocks_layout(ds))
-    stats = load.settle(daemon.socket_path)
-    books = load.books_balance(stats)
+    result = loadgen.run_load(daemon.socket_path, clients=CLIENTS,
+                              requests_per_client=REQUESTS, paths=paths,
+                              layout=loadgen.blocks_layout(ds))
+    stats = loadgen.settle(daemon.socket_path)
+    books = loadgen.books_balance(stats)
 
     out = Path(os.environ.get("KVP_LOAD_REPORT", tmp_path / "load.json"))
     out.write_text(json.dumps({**result, "books": books}, indent=1) + "\n")

@@ -8,11 +8,15 @@ supervisor thread must not be helped by a client sharing its GIL), records every
 request's ack latency (send to reply, so it includes any wait behind the other
 clients: that is what a caller sees), and counts what was answered, lost and refused.
 
-    .venv/bin/python bench/load.py --out bench/out/load                 # own daemon
-    .venv/bin/python bench/load.py --socket /run/kvprefetchd/kvprefetchd.sock --out DIR
+    .venv/bin/python bench/loadgen.py --out bench/out/load                 # own daemon
+    .venv/bin/python bench/loadgen.py --socket /run/kvprefetchd/kvprefetchd.sock --out DIR
 
-    from load import run_load
+    from loadgen import run_load
     result = run_load(sock, clients=8, requests_per_client=10_000)
+
+This is the reusable half (run_load, LoadRun) that tests/integration/test_load.py and
+bench/soak.py build on; it is named loadgen so it sits beside bench/load.py, the
+benchmark suite's router-like load on main, instead of on top of it.
 
 `lost` is requests sent without a reply before the client gave up (idle_timeout
 without any reply): it must be 0. Latency figures are per request in ms: p50, p99,
