@@ -27,6 +27,10 @@ class Roots:
         self._str_prefixes = [(roots[i].rstrip("/") + "/", i) for i in ordered]
         # The common case, one root and plain names, is placed without further calls.
         self._only = self._str_prefixes[0] if len(roots) == 1 else None
+        # The limit is in bytes, as the kernel counts them: what a str path's relative
+        # part may take once encoded, beside its root's prefix.
+        self._room = {i: max_path_bytes - len(raw) for raw, i in self._prefixes}
+        self._only_room = self._room[0] if len(roots) == 1 else 0
 
     def place(self, path: object) -> Placed | str:
         """The root a path lies under, or the reason it is rejected.
@@ -41,13 +45,15 @@ class Roots:
             relative_text = path[len(only[0]) :]
             if (
                 relative_text
-                and len(path) <= self._max
+                and len(path) <= self._max  # characters <= bytes: a cheap first test
                 and relative_text[0] != "/"
                 and "\0" not in relative_text
                 and ".." not in relative_text
             ):
                 # A str decoded from msgpack is valid UTF-8: encode() cannot fail.
-                return (only[1], relative_text.encode())
+                relative = relative_text.encode()
+                if len(relative) <= self._only_room:
+                    return (only[1], relative)
         if isinstance(path, str):
             if len(path) > self._max:
                 return "path too long"
@@ -60,6 +66,8 @@ class Roots:
                         relative = relative_text.encode()
                     except UnicodeEncodeError:
                         return "path is not encodable"
+                    if len(relative) > self._room[index]:
+                        return "path too long"
                     return self._check(index, relative)
             return self._unplaced(path.startswith("/"), "\0" in path)
         if isinstance(path, bytes):

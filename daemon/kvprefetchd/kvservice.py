@@ -9,6 +9,7 @@ notices when a profile's files are all missing while a sibling fingerprint exist
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -31,10 +32,12 @@ class KVService:
         *,
         allow_inline: bool,
         stale_streak: int,
+        roots: tuple[str, ...] = (),
     ) -> None:
         self.profiles = profiles
         self.limits = limits
         self.allow_inline = allow_inline
+        self.roots = roots
         self.stale = kv.StaleDetector(streak=stale_streak)
         self._discovered: dict[kv.Profile, tuple[float, str]] = {}
         self.resolved_requests = 0
@@ -79,6 +82,13 @@ class KVService:
         """The fingerprint found on disk for a `discover` profile (cached), else None."""
         if not profile.needs_discovery:
             return None
+        if not self.may_list(profile):
+            raise RequestError(
+                BAD_REQUEST,
+                f"layout.root_dir {profile.layout.root_dir!r} is not under an allowed root: "
+                'an inline layout may "discover" only beneath the daemon\'s roots '
+                "(or give layout.fingerprint)",
+            )
         now = time.monotonic()
         cached = self._discovered.get(profile)
         if cached is not None and now - cached[0] < REDISCOVER_SECONDS:
@@ -92,12 +102,32 @@ class KVService:
         self._discovered[profile] = (now, found)
         return found
 
+    def may_list(self, profile: kv.Profile) -> bool:
+        """May discovery list this profile's root_dir and read the config.json files there?
+
+        A configured profile's root_dir was checked against the roots at start. An
+        inline layout names any directory its client likes: without this check a
+        request could make the supervisor list any directory and read (and quote back
+        in its error) any `<dir>/<model>_<12 hex>/config.json` on the host. It must lie
+        beneath an allowed root as written and once symlinks are resolved.
+        """
+        if self.profiles.get(profile.name) is profile:
+            return True
+        root_dir = profile.layout.root_dir
+        lexical, real = os.path.normpath(root_dir), os.path.realpath(root_dir)
+        return any(
+            _beneath(lexical, os.path.normpath(root)) and _beneath(real, os.path.realpath(root))
+            for root in self.roots
+        )
+
     def record(self, profile: kv.Profile, fingerprint: str, outcomes: Mapping[str, int]) -> None:
         """Feed one request's outcomes to the stale detector; warn once it is sure."""
         key = profile.name if profile.name != "inline" else f"inline:{fingerprint}"
         present = outcomes.get("read", 0) + outcomes.get("resident", 0)
         missing = outcomes.get("missing", 0)
         if not self.stale.record(key, fingerprint, missing=missing, present=present):
+            return
+        if not self.may_list(profile):
             return
         try:
             candidates = kv.scan(profile)
@@ -121,3 +151,7 @@ class KVService:
             "resolve_ms_total": round(self.resolve_seconds * 1e3, 3),
             "stale": self.stale.report(),
         }
+
+
+def _beneath(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")

@@ -48,6 +48,9 @@ class Limits:
     max_frame_bytes: int
     max_paths: int
     max_path_bytes: int
+    # A KV request's prompt is an array of token ids, bounded by max_tokens (which the KV
+    # parser enforces per request), not by max_paths: a 128k-token prompt is ordinary.
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ def decode_payload(payload: bytes, limits: Limits) -> dict[str, Any]:
             raw=False,
             max_str_len=limits.max_frame_bytes,
             max_bin_len=limits.max_frame_bytes,
-            max_array_len=limits.max_paths,
+            # The longest array any op takes; each op checks its own bound after decoding
+            # (too many paths or tokens is `too_large`, with the limit named).
+            max_array_len=max(limits.max_paths, limits.max_tokens),
             max_map_len=1024,
             max_ext_len=0,
         )

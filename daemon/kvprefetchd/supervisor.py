@@ -133,7 +133,8 @@ class Supervisor:
         self.reload_from = reload_from
         self.roots = Roots(config.roots, config.max_path_bytes)
         self.limits = Limits(
-            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
+            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes,
+            config.max_tokens,
         )
         self.rules: list[RootRule] = [
             choose_rule(root, config.residency_for(root)) for root in config.roots
@@ -161,6 +162,7 @@ class Supervisor:
             kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens),
             allow_inline=config.allow_inline_layouts,
             stale_streak=config.stale_streak,
+            roots=config.roots,
         )
         self.workers: list[WorkerHandle | None] = [None] * config.worker_count
         self.selector = selectors.DefaultSelector()
@@ -296,7 +298,8 @@ class Supervisor:
         self.config = config
         self.peer_policy = None  # rebuilt with the new allowed ids on the next connection
         self.limits = Limits(
-            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes
+            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes,
+            config.max_tokens,
         )
         self.kv.reconfigure(
             config.models,

@@ -245,3 +245,27 @@ def test_unknown_profiles_and_bad_thresholds() -> None:
     assert detector.report() == {} and detector.likely_fingerprint("nobody") is None
     with pytest.raises(ValueError):
         kv.StaleDetector(streak=0)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "folder-symlink"])
+def test_config_json_that_is_no_regular_file_is_never_opened(tmp_path: Path, kind: str) -> None:
+    """Discovery runs in the supervisor's only thread: a FIFO opened there would block it
+    (and every client) for ever; a symlink could lead out of the root."""
+    p = profile(tmp_path / "kv", fingerprint="discover")
+    (tmp_path / "kv").mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text(json.dumps(fields_of(p)))
+    fp = "0123456789ab"
+    base = Path(layout.base_path(str(tmp_path / "kv"), MODEL, fp))
+    if kind == "folder-symlink":
+        base.symlink_to(outside)
+    else:
+        base.mkdir()
+        if kind == "fifo":
+            os.mkfifo(base / "config.json")
+        else:
+            (base / "config.json").symlink_to(outside / "config.json")
+    Path(layout.rank_dir(str(base), 0)).mkdir()
+    (notes,) = [c.note for c in scan(p)]  # returns at once: nothing blocked
+    assert notes.startswith("config.json unreadable"), notes

@@ -57,3 +57,17 @@ GENERAL = Roots(("/kv", "/never-matches"), max_path_bytes=128)
 @given(st.text(alphabet="/kv.a\0é", max_size=40) | st.text(max_size=200).map(lambda t: "/kv/" + t))
 def test_the_one_root_fast_path_agrees_with_the_general_one(path: str) -> None:
     assert ONE.place(path) == GENERAL.place(path)
+
+
+@pytest.mark.parametrize("char", ["a", "é", "€", "😀"])
+@pytest.mark.parametrize("roots", [ONE, GENERAL], ids=["one-root", "general"])
+def test_max_path_bytes_counts_utf8_bytes_not_characters(roots: Roots, char: str) -> None:
+    """The kernel's limits are in bytes: a str path of multi-byte characters gets no more
+    room than the same path sent as msgpack bin."""
+    def of_bytes(n: int) -> str:
+        room = n - len("/kv/")
+        return "/kv/" + char * (room // len(char.encode())) + "a" * (room % len(char.encode()))
+
+    at, over = of_bytes(128), of_bytes(129)
+    assert isinstance(roots.place(at), tuple) and isinstance(roots.place(at.encode()), tuple)
+    assert roots.place(over) == roots.place(over.encode()) == "path too long"

@@ -119,3 +119,15 @@ def test_prefetch_defaults() -> None:
     options = parse_warm_options(request, 4096, 1 << 20)
     assert (options.wait, options.read_bytes, options.timeout_ms) == (False, 4096, None)
     assert parse_paths(request) == ["/x"]
+
+
+def test_a_prompt_may_hold_more_token_ids_than_a_request_may_hold_paths() -> None:
+    """Arrays are bounded by the larger of the two limits; each op then checks its own
+    (a 128k-token prompt under the default 100k paths was refused as undecodable)."""
+    limits = Limits(max_frame_bytes=1 << 20, max_paths=1000, max_path_bytes=4096,
+                    max_tokens=5000)
+    prompt = {"v": 1, "id": 1, "op": "resolve", "prompts": [{"token_ids": [1] * 5000}]}
+    assert decode_payload(msgpack.packb(prompt), limits) == prompt
+    with pytest.raises(RequestError) as caught:
+        decode_payload(msgpack.packb({"token_ids": [1] * 5001}), limits)
+    assert caught.value.code == BAD_REQUEST

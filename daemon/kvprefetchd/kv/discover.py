@@ -13,9 +13,11 @@ same model exist, names the fingerprint most likely right.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,11 +182,46 @@ def differences(profile: Profile, fields: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(found)
 
 
+def _open_regular(path: str) -> int:
+    """A read fd for path, only if it is a regular file and neither it nor its folder
+    is a symlink.
+
+    The supervisor runs discovery in its only thread: open() of a FIFO with no
+    writer would block it (and every client) for ever, and open() of a device can
+    have side effects. So, as native/prefetch.c does: an O_PATH fd (which opens
+    nothing), fstat, then reopen that very inode through /proc/self/fd; where /proc
+    is missing, O_NONBLOCK (a FIFO never blocks) and the same check after the open.
+    Raises OSError: EINVAL for what is not a regular file, ELOOP or ENOTDIR for a symlink.
+    """
+    base, name = os.path.split(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    folder = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        probe = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        try:
+            if not stat.S_ISREG(os.fstat(probe).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            try:
+                fd = os.open(f"/proc/self/fd/{probe}", flags)
+            except FileNotFoundError:  # no /proc
+                fd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=folder)
+        finally:
+            os.close(probe)
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    # Some HSM file systems answer EAGAIN to a non-blocking read of an offline file.
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _check_config(
     profile: Profile, fingerprint: str, path: str
 ) -> tuple[tuple[str, ...] | None, str]:
     try:
-        with open(path, "rb") as handle:
+        with os.fdopen(_open_regular(path), "rb") as handle:
             raw = handle.read(CONFIG_JSON_LIMIT + 1)
     except FileNotFoundError:
         return None, "no config.json"

@@ -1,0 +1,225 @@
+"""Soak: a million requests, and the daemon's memory and open fds sampled all along.
+
+A leak that costs a few bytes or one fd per request is invisible in any test and
+fatal after a week of routing. This runs bench/loadgen.py's router-like clients for
+`--requests` requests in total (10^6 by default: minutes, not hours, on a 2-CPU VM)
+and samples, every `--interval` seconds with psutil, the RSS and the open fds of the
+supervisor and of each worker, plus the daemon's request count (its stats op).
+
+After a warm-up (the first `--warmup` fraction of the samples: allocator arenas,
+dedup tables and histograms fill up to their bounds), each figure must stay flat:
+every sample within +-5% of the first one after warm-up. The JSON reports, per
+process and figure, first/last/min/max, the least-squares slope (per hour, and per
+10^5 requests) and whether it stayed within the band; a worker that was replaced
+mid-run is reported as such (its figures start over).
+
+    .venv/bin/python bench/soak.py --out bench/out/soak                  # 10^6 requests
+    .venv/bin/python bench/soak.py --requests 5000 --out /tmp/soak       # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import datasets
+import loadgen
+
+BAND = 0.05  # +-5% of the first sample after warm-up
+
+
+class Sampler:
+    """One connection held for the whole run, so it is one steady fd in the supervisor
+    (a connection per sample would flicker: closed or not yet, when psutil counts)."""
+
+    def __init__(self, socket_path: str, started: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(socket_path)
+        self.started = started
+        self.buffer = b""
+
+    def stats(self) -> dict[str, Any]:
+        data = msgpack.packb({"v": 1, "id": 1, "op": "stats"}, use_bin_type=True)
+        self.sock.sendall(loadgen.HEADER.pack(len(data)) + data)
+        while len(self.buffer) < 4 or len(self.buffer) < 4 + loadgen.HEADER.unpack_from(
+                self.buffer)[0]:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("the daemon closed the sampler's connection")
+            self.buffer += chunk
+        (length,) = loadgen.HEADER.unpack_from(self.buffer)
+        reply = msgpack.unpackb(self.buffer[4:4 + length], raw=False)
+        self.buffer = self.buffer[4 + length:]
+        stats: dict[str, Any] = reply["stats"]
+        return stats
+
+    def sample(self) -> dict[str, Any]:
+        """The daemon's processes (pids from its stats) measured by psutil."""
+        stats = self.stats()
+        processes = {"supervisor": stats["supervisor"]["pid"]}
+        processes.update({f"worker{w['index']}": w["pid"] for w in stats["workers"]})
+        figures: dict[str, Any] = {}
+        for name, pid in processes.items():
+            try:
+                process = psutil.Process(pid)
+                with process.oneshot():
+                    figures[name] = {"pid": pid, "rss_bytes": process.memory_info().rss,
+                                     "open_fds": process.num_fds()}
+            except psutil.Error:
+                figures[name] = {"pid": pid, "rss_bytes": None, "open_fds": None}
+        requests = sum(n for key, n in stats["requests"].items() if ":" in key)
+        return {"t": round(time.perf_counter() - self.started, 3), "requests": requests,
+                "connections": stats["connections"], "in_flight": stats["files"]["in_flight"],
+                "processes": figures}
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Least-squares slope of ys over xs; None with fewer than two distinct xs."""
+    if len(xs) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+
+
+def judge(samples: Sequence[dict[str, Any]], warmup: float) -> dict[str, Any]:
+    """Per process and figure: first/last/min/max after warm-up, slope, within the band.
+
+    Judged are the samples after warm-up taken while every client was connected (the
+    most connections seen): clients finish at different times, and each one gone takes
+    its connection's fd with it, which is no leak.
+    """
+    skip = min(len(samples) - 1, int(len(samples) * warmup)) if samples else 0
+    most = max((s["connections"] for s in samples), default=0)
+    steady = [s for s in samples[skip:] if s["connections"] == most]
+    names = sorted({name for s in samples for name in s["processes"]})
+    report: dict[str, Any] = {}
+    for name in names:
+        rows = [s for s in steady if name in s["processes"]]
+        pids = sorted({s["processes"][name]["pid"] for s in rows})
+        if len(pids) > 1:  # replaced mid-run: judge the last incarnation only
+            rows = [s for s in rows if s["processes"][name]["pid"] == pids[-1]]
+        entry: dict[str, Any] = {"pids": pids, "replaced": len(pids) > 1}
+        for figure in ("rss_bytes", "open_fds"):
+            points = [(s["t"], s["requests"], s["processes"][name][figure]) for s in rows
+                      if s["processes"][name][figure] is not None]
+            if not points:
+                entry[figure] = None
+                continue
+            values = [v for _, _, v in points]
+            first = values[0]
+            per_second = slope([t for t, _, _ in points], values)
+            per_request = slope([r for _, r, _ in points], values)
+            entry[figure] = {
+                "first": first, "last": values[-1], "min": min(values), "max": max(values),
+                "slope_per_hour": None if per_second is None else round(per_second * 3600, 1),
+                "slope_per_100k_requests": None if per_request is None
+                else round(per_request * 1e5, 3),
+                "change_pct": round((values[-1] - first) / first * 100, 2) if first else None,
+                "within_5pct": all(abs(v - first) <= BAND * first for v in values),
+            }
+        report[name] = entry
+    return {"warmup_samples": skip, "steady_samples": len(steady), "connections": most,
+            "processes": report,
+            "flat": all(e[f] is None or e[f]["within_5pct"] for e in report.values()
+                        for f in ("rss_bytes", "open_fds"))}
+
+
+def run_soak(socket_path: str, *, requests: int, clients: int, paths: Sequence[str],
+             layout: dict[str, Any] | None, interval: float, warmup: float,
+             pipeline: int = 1, seed: int = 1) -> dict[str, Any]:
+    """Drive `requests` requests over `clients` processes while sampling; the figures."""
+    per_client = max(1, requests // clients)
+    plans = loadgen.plans_for(socket_path, paths, clients=clients,
+                              requests_per_client=per_client, paths_per_request=(1, 64),
+                              mix=loadgen.DEFAULT_MIX, pipeline=pipeline, seed=seed,
+                              layout=layout, idle_timeout=120.0)
+    started = time.perf_counter()
+    sampler = Sampler(socket_path, started)
+    try:
+        before = sampler.sample()
+        samples: list[dict[str, Any]] = []
+        run = loadgen.LoadRun(plans)
+        results = run.wait(lambda: samples.append(sampler.sample()), interval)
+        stats = loadgen.settle(socket_path)
+        # Judged: the samples taken while the clients ran. Before and after (no client
+        # connected, no request queued) are reported beside them: fewer fds is no leak.
+        after = sampler.sample()
+    finally:
+        sampler.close()
+    return {"requests": per_client * clients, "load": loadgen.summarize(results, run.seconds),
+            "duration_s": round(time.perf_counter() - started, 1),
+            "books": loadgen.books_balance(stats), "worker_restarts": stats["worker_restarts"],
+            "steady": judge(samples, warmup), "idle_before": before, "idle_after": after,
+            "samples": samples}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1_000_000, help="in total")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument("--warmup", type=float, default=0.1,
+                        help="fraction of the samples left out before judging flatness")
+    parser.add_argument("--socket", help="an existing daemon (default: start one on --dataset)")
+    parser.add_argument("--dataset", default="2000x64KiB", help="COUNTxSIZE (bench/datasets.py)")
+    parser.add_argument("--base", type=Path, default=datasets.DEFAULT_BASE)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    ds = datasets.dataset(args.dataset, base=args.base)
+    paths = datasets.ensure(ds, quiet=True)
+    daemon: loadgen.OwnDaemon | None = None
+    socket_path = args.socket
+    if socket_path is None:
+        daemon = loadgen.start_daemon(ds.root, Path(tempfile.mkdtemp(prefix="kvsoak-")),
+                                      workers=args.workers)
+        socket_path = daemon.socket_path
+    try:
+        result = run_soak(socket_path, requests=args.requests, clients=args.clients,
+                          paths=paths, layout=loadgen.blocks_layout(ds), interval=args.interval,
+                          warmup=args.warmup)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    result["setup"] = {"dataset": ds.name, "socket": socket_path, "own_daemon": daemon is not None,
+                       "clients": args.clients, "workers": args.workers,
+                       "interval_s": args.interval, "warmup_fraction": args.warmup,
+                       "host": platform.node(), "cpus": os.cpu_count(),
+                       "kernel": platform.release(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    steady, figures = result["steady"], result["load"]
+    print(f"{figures['answered']}/{figures['sent']} answered in {result['duration_s']} s, lost "
+          f"{figures['lost']}; flat within 5%: {steady['flat']} -> {args.out / 'soak.json'}")
+    for name, entry in steady["processes"].items():
+        for figure in ("rss_bytes", "open_fds"):
+            f = entry[figure]
+            if f is not None:
+                print(f"  {name:10} {figure:9} first {f['first']} last {f['last']} "
+                      f"max {f['max']} slope/h {f['slope_per_hour']} in band {f['within_5pct']}")
+    return 0 if figures["lost"] == 0 and result["books"]["balanced"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
