@@ -14,9 +14,8 @@ clients: that is what a caller sees), and counts what was answered, lost and ref
     from loadgen import run_load
     result = run_load(sock, clients=8, requests_per_client=10_000)
 
-This is the reusable half (run_load, LoadRun) that tests/integration/test_load.py and
-bench/soak.py build on; it is named loadgen so it sits beside bench/load.py, the
-benchmark suite's router-like load on main, instead of on top of it.
+This is the reusable half (run_load, LoadRun) that tests/integration/test_load.py,
+bench/soak.py and bench/load.py (the benchmark suite's router-like load scenario) build on.
 
 `lost` is requests sent without a reply before the client gave up (idle_timeout
 without any reply): it must be 0. Latency figures are per request in ms: p50, p99,
@@ -181,11 +180,16 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     return float(sorted_values[rank - 1])
 
 
+CDF_POINTS = (*range(0, 100, 2), 99, 99.5, 99.9, 100)  # percent: enough for a plot
+
+
 def latency_summary(values: Sequence[float]) -> dict[str, Any]:
     ordered = sorted(values)
     return {"count": len(ordered), "p50": percentile(ordered, 50), "p99": percentile(ordered, 99),
             "p999": percentile(ordered, 99.9), "max": ordered[-1] if ordered else None,
-            "mean": sum(ordered) / len(ordered) if ordered else None}
+            "mean": sum(ordered) / len(ordered) if ordered else None,
+            "cdf": [[q, ordered[0] if q == 0 else percentile(ordered, q)] for q in CDF_POINTS]
+            if ordered else []}
 
 
 class LoadRun:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-LATENCY_KEYS = {"count", "p50", "p99", "p999", "max", "mean"}
+LATENCY_KEYS = {"count", "p50", "p99", "p999", "max", "mean", "cdf"}
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
 
