@@ -202,12 +202,36 @@ def _md_table(head: list[str], rows: Iterable[list[str]]) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_HEAD = ["dataset", "state", "method", "warm-up s", "x fio", "x vmtouch", "sum x fio",
+                 "sum x none"]
+HEADLINE_METHODS = ("kvprefetchd-pread", "kvprefetchd-io_uring", "kvprefetchd-fadvise",
+                    "pypool-16")
+
+
+def headline_rows(results: dict[str, Any]) -> Iterable[list[str]]:
+    """kvprefetchd's engines (and the seed's design) against fio and vmtouch, per dataset."""
+    for scenario in results["scenarios"]:
+        if scenario["kind"] != "warmup":
+            continue
+        s = scenario["settings"]
+        for name in HEADLINE_METHODS:
+            m = scenario["methods"].get(name)
+            if m is None or m["status"].startswith("skipped"):
+                continue
+            yield [f"{s['dataset']}, head {datasets.format_size(s['head_bytes'])}",
+                   scenario["state"], name + ("" if m["status"] == "ok" else " (!)"),
+                   _f(m["wall_s"], ".3f"), _f(m["ratio_to_fio"], ".2f"),
+                   _f(m["ratio_to_vmtouch"], ".2f"), _f(m["total_ratio_to_fio"], ".2f"),
+                   _f(m["total_ratio_to_none"], ".2f")]
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     parts = [f"Suite `{results['suite']}`, {results['started']}, {results['seconds']:.0f} s; "
              f"Linux {m['kernel']}, {m['cpus']} CPUs, {m['mem_gib']} GiB. Times are medians; "
              "ratios are paired per repetition (below 1 is faster); `sum` is warm-up + the "
              "consumer's read of every head right after it."]
+    parts.append("**Headline**\n\n" + _md_table(HEADLINE_HEAD, headline_rows(results)))
     for scenario in results["scenarios"]:
         if scenario["kind"] == "warmup":
             parts.append(f"**Warm-up: {_title(scenario)}**\n\n"
