@@ -82,6 +82,7 @@ class Config:
     max_frame_bytes: int = 16 * MIB
     max_paths_per_request: int = 100_000
     max_path_bytes: int = 4096
+    max_nesting_depth: int = 16  # arrays and maps in a request (the top map is 1)
     max_output_bytes: int = 8 * MIB  # replies buffered for one slow client before it is cut off
     max_connections: int = 1024
     models: Mapping[str, Profile] = field(default_factory=dict)
@@ -123,6 +124,7 @@ _INT_KEYS = {
     "max_frame_bytes": (64, 1 << 30),
     "max_paths_per_request": (1, 10_000_000),
     "max_path_bytes": (16, 65536),
+    "max_nesting_depth": (8, 512),
     "max_output_bytes": (64 * KIB, 1 << 32),
     "max_connections": (1, 65536),
     "max_prompts": (1, 65536),

@@ -51,6 +51,10 @@ class Limits:
     # A KV request's prompt is an array of token ids, bounded by max_tokens (which the KV
     # parser enforces per request), not by max_paths: a 128k-token prompt is ordinary.
     max_tokens: int = 0
+    # The deepest a request may nest arrays and maps (the top map is 1). The deepest
+    # well-formed request is 5 or 6 (a prompt's mm_features, a layout's layer_names);
+    # msgpack's own C stack stops at 1024 whatever this says.
+    max_nesting_depth: int = 16
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,38 @@ def decode_payload(payload: bytes, limits: Limits) -> dict[str, Any]:
         raise RequestError(BAD_REQUEST, "msgpack nesting too deep") from error
     if not isinstance(message, dict):
         raise RequestError(BAD_REQUEST, f"a request is a map, not {type(message).__name__}")
+    if nests_deeper_than(message, limits.max_nesting_depth):
+        raw_id = message.get("id")
+        request_id = raw_id if type(raw_id) is int and raw_id >= 0 else None
+        raise RequestError(
+            TOO_LARGE,
+            f"arrays and maps nested deeper than max_nesting_depth ({limits.max_nesting_depth})",
+            request_id,
+        )
     return message
+
+
+def nests_deeper_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    """Whether containers nest more than `limit` levels (value itself is level 1).
+
+    Level by level, without recursion. Each container's element types are gathered
+    with set(map(type, ...)), which runs in C: the usual request (a map of scalars and
+    one array of path strings) costs one quick pass over its paths and no descent.
+    """
+    level: list[Any] = [value]
+    depth = 1
+    while level:
+        if depth > limit:
+            return True
+        deeper: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            kinds = set(map(type, items))
+            if list in kinds or dict in kinds:
+                deeper.extend(x for x in items if type(x) is list or type(x) is dict)
+        level = deeper
+        depth += 1
+    return False
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,17 @@ def _reaped_by(pid: int, deadline: float) -> bool:
         time.sleep(0.01)
 
 
+def request_limits(config: Config) -> Limits:
+    """What a peer may make the supervisor decode, from the (possibly reloaded) config."""
+    return Limits(
+        config.max_frame_bytes,
+        config.max_paths_per_request,
+        config.max_path_bytes,
+        config.max_tokens,
+        config.max_nesting_depth,
+    )
+
+
 class HaltError(RuntimeError):
     """The daemon cannot go on (a worker cannot boot); the message is for the operator."""
 
@@ -132,10 +143,7 @@ class Supervisor:
         self.config = config
         self.reload_from = reload_from
         self.roots = Roots(config.roots, config.max_path_bytes)
-        self.limits = Limits(
-            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes,
-            config.max_tokens,
-        )
+        self.limits = request_limits(config)
         self.rules: list[RootRule] = [
             choose_rule(root, config.residency_for(root)) for root in config.roots
         ]
@@ -297,10 +305,7 @@ class Supervisor:
     def apply_config(self, config: Config) -> None:
         self.config = config
         self.peer_policy = None  # rebuilt with the new allowed ids on the next connection
-        self.limits = Limits(
-            config.max_frame_bytes, config.max_paths_per_request, config.max_path_bytes,
-            config.max_tokens,
-        )
+        self.limits = request_limits(config)
         self.kv.reconfigure(
             config.models,
             kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens),

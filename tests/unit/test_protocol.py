@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvprefetchd.protocol import (
     BAD_REQUEST,
     HEADER,
+    TOO_LARGE,
     UNKNOWN_OP,
     UNSUPPORTED_VERSION,
     FrameReader,
@@ -17,6 +18,7 @@ from kvprefetchd.protocol import (
     RequestError,
     decode_payload,
     encode_frame,
+    nests_deeper_than,
     parse_paths,
     parse_request,
     parse_warm_options,
@@ -73,6 +75,37 @@ def test_array_longer_than_the_path_limit_is_refused_while_decoding() -> None:
     with pytest.raises(RequestError) as caught:
         decode_payload(payload, LIMITS)
     assert caught.value.code == BAD_REQUEST
+
+
+def nested(depth: int) -> dict[str, object]:
+    """A request whose containers nest exactly `depth` levels (the top map is level 1)."""
+    inner: object = "leaf"
+    for _ in range(depth - 1):
+        inner = [inner]
+    return {"v": 1, "id": 9, "op": "ping", "extra": inner}
+
+
+@pytest.mark.parametrize("depth", [2, 3, 8, 16, 17, 40])
+def test_nesting_depth_is_counted_exactly(depth: int) -> None:
+    message = nested(depth)
+    assert not nests_deeper_than(message, depth)
+    assert nests_deeper_than(message, depth - 1)
+
+
+def test_nesting_is_found_in_maps_and_beside_scalars() -> None:
+    message = {"a": 1, "b": [1, "x", {"c": [[b"y"]]}], "d": {"e": None}}  # 5 levels at b
+    assert not nests_deeper_than(message, 5)
+    assert nests_deeper_than(message, 4)
+
+
+def test_a_request_nested_past_the_limit_is_too_large_with_its_id() -> None:
+    limits = Limits(max_frame_bytes=1 << 20, max_paths=1000, max_path_bytes=4096,
+                    max_nesting_depth=8)
+    assert decode_payload(msgpack.packb(nested(8)), limits)["id"] == 9
+    with pytest.raises(RequestError) as caught:
+        decode_payload(msgpack.packb(nested(9)), limits)
+    assert caught.value.code == TOO_LARGE and caught.value.request_id == 9
+    assert "max_nesting_depth (8)" in caught.value.message
 
 
 @pytest.mark.parametrize(
