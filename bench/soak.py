@@ -7,11 +7,14 @@ and samples, every `--interval` seconds with psutil, the RSS and the open fds of
 supervisor and of each worker, plus the daemon's request count (its stats op).
 
 After a warm-up (the first `--warmup` fraction of the samples: allocator arenas,
-dedup tables and histograms fill up to their bounds), each figure must stay flat:
-every sample within +-5% of the first one after warm-up. The JSON reports, per
-process and figure, first/last/min/max, the least-squares slope (per hour, and per
-10^5 requests) and whether it stayed within the band; a worker that was replaced
-mid-run is reported as such (its figures start over).
+dedup tables and histograms fill up to their bounds), RSS must stay flat: every
+sample within +-5% of the first one after warm-up. The JSON reports, per process
+and figure, first/last/min/max, the least-squares slope (per hour, and per 10^5
+requests) and whether it stayed within the band; a worker that was replaced
+mid-run is reported as such (its figures start over). Open fds are judged idle:
+a worker holds its batch's files open while it reads them, so a sample mid-batch
+sees a few more; a leak is an fd still open once the run is over and nothing is
+in flight, so the idle counts before and after must be equal.
 
     .venv/bin/python bench/soak.py --out bench/out/soak                  # 10^6 requests
     .venv/bin/python bench/soak.py --requests 5000 --out /tmp/soak       # a quick look
@@ -141,8 +144,20 @@ def judge(samples: Sequence[dict[str, Any]], warmup: float) -> dict[str, Any]:
         report[name] = entry
     return {"warmup_samples": skip, "steady_samples": len(steady), "connections": most,
             "processes": report,
-            "flat": all(e[f] is None or e[f]["within_5pct"] for e in report.values()
-                        for f in ("rss_bytes", "open_fds"))}
+            "rss_flat": all(e["rss_bytes"] is None or e["rss_bytes"]["within_5pct"]
+                            for e in report.values())}
+
+
+def idle_fds(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Open fds per process with no client connected and nothing in flight, before and
+    after the run: equal, or something leaked one (a replaced worker is not compared)."""
+    out: dict[str, Any] = {}
+    for name, was in before["processes"].items():
+        now = after["processes"].get(name, {})
+        same_pid = now.get("pid") == was["pid"]
+        out[name] = {"before": was["open_fds"], "after": now.get("open_fds"),
+                     "returned": not same_pid or now.get("open_fds") == was["open_fds"]}
+    return out
 
 
 def run_soak(socket_path: str, *, requests: int, clients: int, paths: Sequence[str],
@@ -167,10 +182,13 @@ def run_soak(socket_path: str, *, requests: int, clients: int, paths: Sequence[s
         after = sampler.sample()
     finally:
         sampler.close()
+    steady = judge(samples, warmup)
+    fds = idle_fds(before, after)
     return {"requests": per_client * clients, "load": loadgen.summarize(results, run.seconds),
             "duration_s": round(time.perf_counter() - started, 1),
             "books": loadgen.books_balance(stats), "worker_restarts": stats["worker_restarts"],
-            "steady": judge(samples, warmup), "idle_before": before, "idle_after": after,
+            "flat": steady["rss_flat"] and all(f["returned"] for f in fds.values()),
+            "steady": steady, "idle_fds": fds, "idle_before": before, "idle_after": after,
             "samples": samples}
 
 
@@ -211,7 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
     steady, figures = result["steady"], result["load"]
     print(f"{figures['answered']}/{figures['sent']} answered in {result['duration_s']} s, lost "
-          f"{figures['lost']}; flat within 5%: {steady['flat']} -> {args.out / 'soak.json'}")
+          f"{figures['lost']}; RSS within 5%: {steady['rss_flat']}, idle fds returned: "
+          f"{all(f['returned'] for f in result['idle_fds'].values())} -> "
+          f"{args.out / 'soak.json'}")
     for name, entry in steady["processes"].items():
         for figure in ("rss_bytes", "open_fds"):
             f = entry[figure]
