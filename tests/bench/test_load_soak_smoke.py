@@ -63,4 +63,5 @@ def test_soak_with_a_small_count_writes_samples_and_a_verdict(tmp_path: Path) ->
         assert {"pids", "replaced", "rss_bytes", "open_fds"} <= set(entry)
         for figure in ("rss_bytes", "open_fds"):
             assert {"first", "last", "min", "max", "slope_per_hour", "slope_per_100k_requests",
-                    "change_pct", "within_5pct"} == set(entry[figure])
+                    "change_pct", "drift_pct", "flat", "every_sample_within_5pct"} == set(
+                        entry[figure])
