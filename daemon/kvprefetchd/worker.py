@@ -7,6 +7,7 @@ hands the engine one batch, and reports the outcomes.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
@@ -64,6 +65,31 @@ class WorkerPlan:
     # The engines for the other warm mode (a model profile may choose it); empty when
     # no profile does, or when no engine of that mode can run here.
     other_mode_classes: tuple[type[Engine], ...] = ()
+
+
+# mallopt(3) parameter numbers, from glibc's <malloc.h>.
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own initial value
+
+
+def pin_mmap_threshold() -> None:
+    """Keep buffers of 128 KiB and more out of the brk heap, where they fragment it.
+
+    glibc raises its mmap threshold to the size of every mmapped chunk it frees
+    (mallopt(3), M_MMAP_THRESHOLD), so once the first 1 MiB recv buffer is freed,
+    later big buffers (recv, channel frames, msgpack arrays of a batch) come from the
+    heap, and small long-lived blocks between them keep it from shrinking. Measured
+    with bench/soak.py (8 clients, 10^6 requests, ~26M files): a worker's [heap] grew
+    4.2 -> 12-14 MiB and its RSS drifted +11% after warm-up, still climbing over
+    3x10^6 requests; with the threshold set, [heap] 4.2 -> 4.5 MiB and RSS drift +0.4-1%.
+    Setting it explicitly also turns the dynamic adjustment off. Not glibc: a no-op.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def _open_root(path: str) -> int:
@@ -254,6 +280,7 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
         sock.setblocking(False)
         if plan.nice:
             os.nice(plan.nice)
+        pin_mmap_threshold()
         try:
             if injected(WORKER_BOOT_FAILS):
                 raise RuntimeError("boot failure injected by KVPREFETCHD_FAULTS")

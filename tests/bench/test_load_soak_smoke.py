@@ -55,10 +55,13 @@ def test_soak_with_a_small_count_writes_samples_and_a_verdict(tmp_path: Path) ->
         for figures in sample["processes"].values():
             assert set(figures) == {"pid", "rss_bytes", "open_fds"}
     steady = result["steady"]
-    assert isinstance(steady["flat"], bool)
+    assert isinstance(steady["rss_flat"], bool) and isinstance(result["flat"], bool)
+    assert set(result["idle_fds"]) == {"supervisor", "worker0", "worker1"}
+    assert all(set(f) == {"before", "after", "returned"} for f in result["idle_fds"].values())
     assert set(steady["processes"]) == {"supervisor", "worker0", "worker1"}
     for entry in steady["processes"].values():
         assert {"pids", "replaced", "rss_bytes", "open_fds"} <= set(entry)
         for figure in ("rss_bytes", "open_fds"):
             assert {"first", "last", "min", "max", "slope_per_hour", "slope_per_100k_requests",
-                    "change_pct", "within_5pct"} == set(entry[figure])
+                    "change_pct", "drift_pct", "flat", "every_sample_within_5pct"} == set(
+                        entry[figure])
