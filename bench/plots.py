@@ -27,9 +27,14 @@ def throughput(results: dict[str, Any], path: Path) -> bool:
     if not warmups:
         return False
     rows = max(len([m for m in s["methods"].values() if "gb_s" in m]) for s in warmups)
-    fig, axes = plt.subplots(1, len(warmups), figsize=(5.2 * len(warmups), 0.42 * rows + 1.6),
+    ncols = min(3, len(warmups))
+    nrows = -(-len(warmups) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, (0.42 * rows + 1.6) * nrows),
                              squeeze=False)
-    for ax, scenario in zip(axes[0], warmups, strict=True):
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(warmups):]:
+        ax.set_visible(False)
+    for ax, scenario in zip(flat, warmups, strict=False):
         names, solid, hatched, colors = [], [], [], []
         for name, m in scenario["methods"].items():
             if m.get("gb_s") is None or name == "none":

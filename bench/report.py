@@ -231,7 +231,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"Linux {m['kernel']}, {m['cpus']} CPUs, {m['mem_gib']} GiB. Times are medians; "
              "ratios are paired per repetition (below 1 is faster); `sum` is warm-up + the "
              "consumer's read of every head right after it."]
-    parts.append("**Headline**\n\n" + _md_table(HEADLINE_HEAD, headline_rows(results)))
+    if headline := list(headline_rows(results)):
+        parts.append("**Headline**\n\n" + _md_table(HEADLINE_HEAD, headline))
     for scenario in results["scenarios"]:
         if scenario["kind"] == "warmup":
             parts.append(f"**Warm-up: {_title(scenario)}**\n\n"
