@@ -75,6 +75,19 @@ func recycleFrame(buf *bytes.Buffer) {
 	}
 }
 
+// finishFrame seals a frame whose encoding ended with err; a frame that failed to
+// encode or is over the limit goes back to the pool.
+func finishFrame(buf *bytes.Buffer, err error, maxFrame int) (*bytes.Buffer, error) {
+	if err == nil {
+		err = sealFrame(buf, maxFrame)
+	}
+	if err != nil {
+		recycleFrame(buf)
+		return nil, err
+	}
+	return buf, nil
+}
+
 // sealFrame writes the payload length into the header, refusing frames above the limit.
 func sealFrame(buf *bytes.Buffer, maxFrame int) error {
 	n := buf.Len() - headerSize

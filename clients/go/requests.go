@@ -51,14 +51,7 @@ func encodePrefetch(id uint64, paths []string, o PrefetchOptions, timeoutMS *int
 		}
 		return w.err
 	})
-	if err == nil {
-		err = sealFrame(buf, maxFrame)
-	}
-	if err != nil {
-		recycleFrame(buf)
-		return nil, err
-	}
-	return buf, nil
+	return finishFrame(buf, err, maxFrame)
 }
 
 // plainRequest is a request with no fields beyond the envelope (ping, stats).
@@ -83,14 +76,7 @@ type kvRequest struct {
 func encodeValue(v any, maxFrame int) (*bytes.Buffer, error) {
 	buf := newFrame()
 	err := withEncoder(buf, func(enc *msgpack.Encoder) error { return enc.Encode(v) })
-	if err == nil {
-		err = sealFrame(buf, maxFrame)
-	}
-	if err != nil {
-		recycleFrame(buf)
-		return nil, err
-	}
-	return buf, nil
+	return finishFrame(buf, err, maxFrame)
 }
 
 // EncodeMsgpack writes a prompt by hand (msgpack.CustomEncoder): its token ids are most of
