@@ -24,10 +24,15 @@ TOO_LARGE = "too_large"
 FORBIDDEN = "forbidden"
 OVERLOADED = "overloaded"
 INTERNAL = "internal"
+ERROR_CODES = (
+    BAD_REQUEST, UNSUPPORTED_VERSION, UNKNOWN_OP, TOO_LARGE, FORBIDDEN, OVERLOADED, INTERNAL
+)
 
 OPS = ("ping", "prefetch", "prefetch_blocks", "resolve", "stats")
 
-# Per-file outcomes, in the order the books list them.
+# The outcomes of accepted files, in the order the books and the `outcomes` map list them
+# (docs/protocol.md, "Per-file outcomes"; tests/unit/test_protocol_conformance.py holds the
+# daemon, both clients and that table to the same names).
 OUTCOMES = ("read", "resident", "missing", "rejected", "failed", "expired")
 
 
