@@ -23,7 +23,8 @@ from typing import Any
 from kvprefetchd.kv import layout
 from kvprefetchd.kv.errors import KVRequestError
 from kvprefetchd.kv.hashing import BlockExtra, ExtraKey, LoRA, MMFeature, Prompt
-from kvprefetchd.kv.profile import FINGERPRINT_RE, Profile
+from kvprefetchd.kv.profile import Profile
+from kvprefetchd.kv.specs import FINGERPRINT_RE
 
 BLOCK_HASH_BYTES = 32  # sha256 and sha256_cbor
 MAX_EXTRA_KEY_DEPTH = 8
