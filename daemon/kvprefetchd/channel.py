@@ -53,6 +53,7 @@ class Ready:
     KIND: ClassVar[str] = "ready"
     engine: str
     pid: int
+    problem: str = ""  # what it could not do but serves without (e.g. renice)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvprefetchd import __version__, systemd
+from kvprefetchd import __version__
 from kvprefetchd.config import (
     ENGINES,
     LOG_LEVELS,
@@ -19,6 +19,7 @@ from kvprefetchd.config import (
     load_file,
 )
 from kvprefetchd.engines import NoEngine
+from kvprefetchd.logs import setup_logging
 from kvprefetchd.server import SocketInUse
 from kvprefetchd.supervisor import HaltError, Supervisor
 
@@ -46,15 +47,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-level", choices=LOG_LEVELS, dest="log_level")
     parser.add_argument("--version", action="version", version=f"kvprefetchd {__version__}")
     return parser.parse_args(argv)
-
-
-def setup_logging(level: str) -> None:
-    """One line per event; no timestamps under systemd, whose journal adds its own."""
-    under_journal = systemd.under_systemd()
-    fmt = "%(levelname)s %(name)s: %(message)s"
-    if not under_journal:
-        fmt = "%(asctime)s " + fmt
-    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

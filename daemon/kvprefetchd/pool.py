@@ -109,6 +109,7 @@ class WorkerPool:
         self.restarts = 0
         self.killed_wedged = 0
         self.stopping = False
+        self.problems_logged: set[str] = set()  # each said once, not once per worker
         # No worker can be found wedged before this time (murder_workers keeps it a
         # lower bound of every busy worker's deadline), so the loop sleeps until then.
         self.wedge_check_due = time.monotonic() + config.worker_timeout
@@ -262,6 +263,9 @@ class WorkerPool:
                 handle.ready = True
                 handle.engine = message.engine
                 log.debug("worker %d ready (pid %d)", handle.index, handle.pid)
+                if message.problem and message.problem not in self.problems_logged:
+                    self.problems_logged.add(message.problem)
+                    log.warning("workers: %s", message.problem)
             elif isinstance(message, BootFailed):
                 raise HaltError(f"worker {handle.index} could not boot: {message.reason}")
 

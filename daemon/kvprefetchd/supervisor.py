@@ -30,6 +30,7 @@ from kvprefetchd import exposition, systemd
 from kvprefetchd.books import Books
 from kvprefetchd.config import Config, ConfigError, merge_reload
 from kvprefetchd.kvservice import KVService
+from kvprefetchd.logs import stderr_handler
 from kvprefetchd.metrics_http import MetricsServer
 from kvprefetchd.ops import Ops
 from kvprefetchd.pool import BOOT_TIMEOUT, HaltError, WorkerPool
@@ -71,6 +72,7 @@ class Supervisor:
         self.watchdog = systemd.Watchdog.from_environment()
         self.signals: list[int] = []
         self.stopping = False
+        self.log_watched = False  # stderr's fd is in the selector (see watch_log)
         self._wakeup_r, self._wakeup_w = socket.socketpair()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -221,6 +223,20 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.expire(now)
         self.watchdog.tick(now)
+        self.watch_log()
+
+    def watch_log(self) -> None:
+        """While stderr is full (nobody reads it), flush held log lines when it drains."""
+        handler = stderr_handler()
+        wanted = handler is not None and bool(handler.pending)
+        if wanted == self.log_watched or handler is None:
+            return
+        self.log_watched = wanted
+        if wanted:
+            self.selector.register(handler.fileno(), selectors.EVENT_WRITE,
+                                   lambda _events: handler.flush())
+        else:
+            self.selector.unregister(handler.fileno())
 
     # ---- shutdown --------------------------------------------------------------------------
 

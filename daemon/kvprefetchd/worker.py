@@ -292,8 +292,14 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
         except ImportError:
             pass
         sock.setblocking(False)
+        renice = ""
         if plan.nice:
-            os.nice(plan.nice)
+            try:
+                os.nice(plan.nice)
+            except OSError as error:
+                # A seccomp filter (systemd's ~@resources) or a container may forbid
+                # setpriority: the worker serves at the supervisor's priority, said once.
+                renice = f"cannot renice workers by {plan.nice}: {error.strerror}"
         pin_mmap_threshold()
         try:
             if injected(WORKER_BOOT_FAILS):
@@ -302,7 +308,7 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
         except Exception as error:
             send_all_blocking(sock, BootFailed(f"{type(error).__name__}: {error}"))
             os._exit(EXIT_BOOT_FAILED)
-        send_all_blocking(sock, Ready(engine.name, os.getpid()))
+        send_all_blocking(sock, Ready(engine.name, os.getpid(), renice))
         Worker(plan, sock, engine).run()
     except BaseException:
         log.exception("worker %d crashed", plan.index)
