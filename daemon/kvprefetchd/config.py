@@ -239,17 +239,23 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
     config = Config(**merged)
     if config.read_bytes > config.max_read_bytes:
         raise ConfigError("read_bytes: larger than max_read_bytes")
+    check_profiles(config, "")
+    unknown_roots = set(config.residency_by_root) - set(config.roots)
+    if unknown_roots:
+        raise ConfigError(f"residency_by_root: {sorted(unknown_roots)} not in roots")
+    return config
+
+
+def check_profiles(config: Config, note: str) -> None:
+    """Every profile's root_dir lies beneath a root in force: a profile elsewhere could
+    never be warmed, and its discovery would list (and quote) directories outside them."""
     for name, profile in config.models.items():
         root_dir = os.path.normpath(profile.layout.root_dir)
         if not any(root_dir == r or root_dir.startswith(r.rstrip("/") + "/") for r in config.roots):
             raise ConfigError(
                 f"models.{name}.layout.root_dir: {profile.layout.root_dir} is not under an "
-                "allowed root, so none of its files could be warmed"
+                f"allowed root{note}, so none of its files could be warmed"
             )
-    unknown_roots = set(config.residency_by_root) - set(config.roots)
-    if unknown_roots:
-        raise ConfigError(f"residency_by_root: {sorted(unknown_roots)} not in roots")
-    return config
 
 
 # Keys a running daemon cannot take over on SIGHUP: they are baked into the
@@ -263,11 +269,16 @@ RESTART_KEYS = frozenset({
 
 
 def merge_reload(old: Config, new: Config) -> tuple[Config, list[str]]:
-    """The config a reload puts in force, and the changed keys it had to leave as they were."""
+    """The config a reload puts in force, and the changed keys it had to leave as they were.
+
+    ConfigError when the result would not hold together (the reload is refused)."""
     held = [
         key for key in sorted(RESTART_KEYS) if getattr(old, key) != getattr(new, key)
     ]
     merged = dataclasses.replace(new, **{key: getattr(old, key) for key in held})
+    if "roots" in held:
+        # The new profiles must fit the roots still in force, not the ones held back.
+        check_profiles(merged, " in force (a change of roots waits for a restart)")
     return merged, held
 
 

@@ -172,13 +172,12 @@ class Supervisor:
             return
         systemd.reloading()
         try:
-            new = self.reload_from()
+            merged, held = merge_reload(self.config, self.reload_from())
         except ConfigError as error:
             log.error("reload refused, the old configuration stays in force: %s", error)
             self.events["reload_refused"] += 1
             systemd.ready("reload refused; the old configuration stays in force")
             return
-        merged, held = merge_reload(self.config, new)
         if held:
             log.warning(
                 "reload: keys that need a restart keep their old values: %s", ", ".join(held)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import Daemon
+from daemon_harness import Daemon, RawConnection
 
 
 def reload_and_wait(d: Daemon, marker: str) -> None:
@@ -56,3 +59,49 @@ def test_an_invalid_file_is_refused_and_the_old_config_stays(
     reload_and_wait(d, "reload refused")
     stats = d.call("stats")["stats"]
     assert stats["events"]["reload_refused"] == 2
+
+
+def test_a_reload_may_not_add_a_profile_beneath_roots_it_holds_for_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Roots change only at a restart; a reload that adds a root and a profile beneath it
+    was accepted, and the profile's discovery then listed the new root and quoted its
+    config.json back to clients: now the reload is refused and nothing is read there."""
+    kept, held = tmp_path / "kept", tmp_path / "held"
+    kept.mkdir()
+    base = held / "org_model_0123456789ab"
+    (held / "org_model_0123456789ab_r0").mkdir(parents=True)
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"model_name": "SECRET-FIELD"}))
+    config = tmp_path / "c.toml"
+    config.write_text(f'roots = ["{kept}"]\nworkers = 1\n')
+    socket_path = str(tmp_path / "kvprefetchd.sock")
+    log_path = tmp_path / "daemon.log"
+    command = [sys.executable, "-m", "kvprefetchd", "--config", str(config),
+               "--socket", socket_path]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stderr=log)
+    try:
+        d = Daemon(socket_path, kept, process, log_path)
+        deadline = time.monotonic() + 30
+        while "serving on" not in d.log():
+            assert process.poll() is None and time.monotonic() < deadline, d.log()
+            time.sleep(0.05)
+        config.write_text(
+            f'roots = ["{kept}", "{held}"]\nworkers = 1\n'
+            f'[models.m]\nhash = {{ algo = "sha256_cbor", python_hash_seed = "0", '
+            f'block_size = 16, vllm_version = "0.23.0" }}\n'
+            f'layout = {{ root_dir = "{held}", model_name = "org/model", '
+            f'kv_cache_groups = [{{ block_size = 16 }}], connector_block_size_tokens = 32, '
+            f'fingerprint = "discover" }}\n'
+        )
+        reload_and_wait(d, "reload refused")
+        assert "not under an allowed root in force" in d.log()
+        connection = RawConnection(socket_path)
+        reply = connection.call("resolve", model="m", prompts=[{"token_ids": list(range(32))}])
+        connection.close()
+        assert reply["ok"] is False and "SECRET" not in json.dumps(reply), reply
+        assert "SECRET" not in d.log()
+    finally:
+        process.kill()
+        process.wait(10)
