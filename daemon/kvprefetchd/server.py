@@ -226,7 +226,9 @@ class Server:
         self.events = events  # connections_refused, peers_forbidden, accept_paused
         self.requests = requests  # oversized frames count as requests that never parsed
         self.listener: socket.socket | None = None
-        self.socket_passed = False  # systemd owns a passed socket's file
+        # (dev, ino) of the socket file we bound; None for a socket handed to us (systemd's
+        # socket activation): its file belongs to whoever made it.
+        self.socket_file: tuple[int, int] | None = None
         self.connections: dict[int, Connection] = {}
         self.peer_policy: PeerPolicy | None = None  # made once the socket exists
         self.resting_until: float | None = None  # out of fds: not accepting
@@ -241,9 +243,10 @@ class Server:
             if passed:
                 listener = passed[0]
                 listener.setblocking(False)
-                self.socket_passed = True
             else:
                 listener = listen_unix(self.config.socket, self.config.socket_mode)
+                info = os.lstat(self.config.socket)
+                self.socket_file = (info.st_dev, info.st_ino)
         self.listener = listener
 
     def start_accepting(self) -> None:
@@ -302,9 +305,14 @@ class Server:
             self.selector.unregister(self.listener)
         self.listener.close()
         self.listener = None
-        if not self.socket_passed:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.socket)
+        if self.socket_file is not None:
+            # Only the file we bound: if its directory was removed and another daemon
+            # bound the path since, the socket there is that daemon's.
+            with contextlib.suppress(OSError):
+                info = os.lstat(self.config.socket)
+                if (info.st_dev, info.st_ino) == self.socket_file:
+                    os.unlink(self.config.socket)
+            self.socket_file = None
 
     # ---- peers ---------------------------------------------------------------------------
 

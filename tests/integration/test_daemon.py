@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -359,3 +360,17 @@ def test_stats_carry_process_figures_per_worker(daemon: Daemon) -> None:
         assert worker["cpu_seconds"] >= 0
     assert stats["supervisor"]["pid"] == daemon.process.pid
     assert stats["supervisor"]["open_fds"] >= 4
+
+
+def test_an_exiting_daemon_leaves_a_later_daemons_socket_alone(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """The socket's directory removed under a running daemon, a second one binds the same
+    path: when the first exits it must not unlink the second's socket."""
+    first: Daemon = daemon_factory()
+    run_dir = Path(first.socket_path).parent
+    shutil.rmtree(run_dir)
+    second: Daemon = daemon_factory(root=tmp_path / "kv2")
+    assert second.socket_path == first.socket_path
+    assert first.stop() == 0
+    assert os.path.exists(second.socket_path) and second.call("ping")["ok"]
