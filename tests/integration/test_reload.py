@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import Daemon
+from kvharness.daemon import Daemon
 
 
 def reload_and_wait(d: Daemon, marker: str) -> None:
