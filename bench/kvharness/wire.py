@@ -68,6 +68,10 @@ class FrameSplitter:
             out.append(bytes(self.buffer[HEADER.size : HEADER.size + length]))
             del self.buffer[: HEADER.size + length]
 
+    def bodies(self, data: bytes) -> list[bytes]:
+        """feed, for a stream without max_frame, where every frame comes whole."""
+        return [body for body in self.feed(data) if body is not None]
+
 
 def split_frames(stream: bytes, max_frame: int | None = None) -> list[bytes | None]:
     """Every frame a complete stream holds (None for each oversized one); a tail is left."""
@@ -108,7 +112,7 @@ class RawConnection:
             data = self.sock.recv(1 << 20)
             if not data:
                 raise ConnectionError("the daemon closed the connection")
-            self._ready += [body for body in self._frames.feed(data) if body is not None]
+            self._ready += self._frames.bodies(data)
         reply: dict[str, Any] = unpack(self._ready.pop(0))
         return reply
 

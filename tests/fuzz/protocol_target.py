@@ -146,7 +146,7 @@ class InProcessSupervisor:
                 except BlockingIOError:
                     break
                 progressed = True
-                got += [unpack(body) for body in self.replies.feed(data) if body is not None]
+                got += [unpack(body) for body in self.replies.bodies(data)]
             if not progressed and not self.connection.output and not self._pending_input():
                 return
 

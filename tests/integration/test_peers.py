@@ -43,7 +43,7 @@ while not replies:
         break
     if not chunk:
         break
-    replies = frames.feed(chunk)
+    replies = frames.bodies(chunk)
 reply = unpack(replies[0]) if replies else None
 s.settimeout(1)
 try:
