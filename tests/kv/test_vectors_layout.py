@@ -185,17 +185,9 @@ def test_router_pr1156_path_base_defaulting(case: dict[str, Any]) -> None:
             layout_from_pr1156(params.get("kvFilePathBase") or {}, 16)
 
 
-ELSEWHERE = {
-    "residency_cases": "the st_blocks residency skip rule is the worker's (native/prefetch.c, "
-                       "kvprefetchd/residency.py), not part of the pure kv package",
-    "submit_cases": "non-blocking submission is the supervisor's bounded queues, not kv/",
-}
-
-
-@pytest.mark.parametrize("kind", sorted(ELSEWHERE))
-def test_plugin_behaviour_outside_the_kv_package(kind: str) -> None:
-    assert BEHAVIOUR[kind]
-    pytest.skip(f"{kind}: {ELSEWHERE[kind]}")
+# Its residency_cases and submit_cases are the worker's tier rule and the supervisor's
+# bounded queues, not the kv package: tests/integration/test_plugin_vectors.py runs them
+# through the real daemon.
 
 
 def test_every_vector_file_is_covered() -> None:
