@@ -267,13 +267,13 @@ def test_sigterm_answers_waiting_requests_exits_0_and_removes_the_socket(
 ) -> None:
     pids = daemon.worker_pids()
     os.kill(pids[0], signal.SIGSTOP)
-    connection = daemon.connect()
     paths = [str(make_file(daemon.root / f"s{i}.bin", 4096)) for i in range(20)]
-    connection.send({"v": 1, "id": 3, "op": "prefetch", "paths": paths, "wait": True})
-    time.sleep(0.2)
-    started = time.monotonic()
-    daemon.process.send_signal(signal.SIGTERM)
-    reply = connection.recv()
+    with daemon.connect() as connection:
+        connection.send({"v": 1, "id": 3, "op": "prefetch", "paths": paths, "wait": True})
+        time.sleep(0.2)
+        started = time.monotonic()
+        daemon.process.send_signal(signal.SIGTERM)
+        reply = connection.recv()
     assert reply["id"] == 3 and balanced(reply)
     assert daemon.process.wait(5) == 0
     assert time.monotonic() - started < 5
