@@ -1,37 +1,54 @@
 """The supervisor's books: every file accepted gets exactly one outcome, per request and in total.
 
-Pure bookkeeping, no sockets: a ticket per accepted file, remembered with its
-worker (so a dead worker's files can be failed) and its waiting request (so the
-reply can be sent once the last outcome is in, or the deadline passes).
-Invariant, checked by tests: accepted = read + resident + missing + rejected +
-failed + expired, per request and in total.
+Pure bookkeeping, no sockets: a ticket per accepted file of a followed request (a
+Waiter), remembered with its worker (so a dead worker's files can be failed) and its
+waiter (so the reply can be sent once the last outcome is in, or the deadline passes).
+Fire-and-forget files need no ticket: a worker reports their outcomes as counts.
+Invariant, checked by tests: accepted = read + resident + missing + rejected + failed +
+expired, per request and in total.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvprefetchd.protocol import OUTCOMES
 
+if TYPE_CHECKING:
+    from kvprefetchd.kv import Profile
 
-@dataclass
-class PendingRequest:
-    """A `wait` request whose reply is held until its files are settled or it times out."""
+
+class ReplySink(Protocol):
+    """Where a waiter's reply goes (a client connection); the books never touch it."""
+
+    def send(self, message: dict[str, Any]) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """A request the supervisor follows until its files are settled or its deadline passes.
+
+    `reply_to` is set for a `wait` request (the connection that waits); `profile` and
+    `fingerprint` for a KV request, whose outcomes feed the stale-profile detector even
+    when nobody waits for them. Answered once, in one place (ops.Ops.answer).
+    """
 
     request_id: int
-    reply_to: Callable[[PendingRequest], None]
     started: float
     deadline: float | None
+    reply_to: ReplySink | None = None
+    reply_fields: dict[str, Any] = field(default_factory=dict)  # e.g. prefetch_blocks' files
+    profile: Profile | None = None
+    fingerprint: str = ""
     accepted: int = 0
     dropped: int = 0
     rejected: int = 0
     outstanding: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     answered: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
 
     def outcome_map(self) -> dict[str, int]:
         return {name: self.outcomes.get(name, 0) for name in OUTCOMES}
@@ -40,8 +57,8 @@ class PendingRequest:
 class Books:
     def __init__(self, workers: int) -> None:
         self._tickets = itertools.count(1)
-        # ticket -> waiting request (None for fire-and-forget), kept per worker.
-        self.open: list[dict[int, PendingRequest]] = [{} for _ in range(workers)]
+        # ticket -> its waiter, kept per worker.
+        self.open: list[dict[int, Waiter]] = [{} for _ in range(workers)]
         # Fire-and-forget files need no ticket of their own: the worker reports their
         # outcomes as counts, and the books keep one number per worker. This halves
         # the supervisor's cost per file on the router's hot path.
@@ -52,22 +69,28 @@ class Books:
     def outstanding(self, worker: int) -> int:
         return len(self.open[worker]) + self.anonymous[worker]
 
-    def issue(self, worker: int, request: PendingRequest | None) -> int:
-        """A ticket for a file of a waiting request; 0 for a fire-and-forget one."""
-        self.totals["accepted"] += 1
-        if request is None:
-            self.anonymous[worker] += 1
-            return 0
-        ticket = next(self._tickets)
-        self.open[worker][ticket] = request
-        request.accepted += 1
-        request.outstanding += 1
-        return ticket
+    def in_flight(self) -> int:
+        return sum(self.outstanding(worker) for worker in range(len(self.open)))
 
-    def issue_anonymous(self, worker: int, n: int) -> None:
-        """n fire-and-forget files at once (what `issue(worker, None)` does n times)."""
-        self.totals["accepted"] += n
-        self.anonymous[worker] += n
+    def waiters(self) -> list[Waiter]:
+        """Every waiter with a file still out (once each), for a drain."""
+        seen = {id(w): w for tickets in self.open for w in tickets.values()}
+        return list(seen.values())
+
+    def issue(self, worker: int, waiter: Waiter | None, entries: list[list[Any]]) -> None:
+        """Book a worker's share of a request: entries are [ticket, root, relative] with
+        ticket 0, given real tickets when a waiter follows them."""
+        self.totals["accepted"] += len(entries)
+        if waiter is None:
+            self.anonymous[worker] += len(entries)
+            return
+        tickets = self.open[worker]
+        for entry in entries:
+            ticket = next(self._tickets)
+            entry[0] = ticket
+            tickets[ticket] = waiter
+        waiter.accepted += len(entries)
+        waiter.outstanding += len(entries)
 
     def settle_anonymous(self, worker: int, outcomes: dict[str, int], nbytes: int) -> None:
         """Outcomes of fire-and-forget files, counted by the worker."""
@@ -78,44 +101,45 @@ class Books:
         self.anonymous[worker] = max(0, self.anonymous[worker] - settled)
         self.bytes_read += nbytes
 
-    def count_refused(self, kind: str, request: PendingRequest | None, n: int = 1) -> None:
+    def count_refused(self, waiter: Waiter | None, *, dropped: int, rejected: int) -> None:
         """Files dropped (queue full) or rejected before queuing: settled on the spot."""
-        self.totals["rejected_by_supervisor" if kind == "rejected" else kind] += n
-        if request is not None:
-            setattr(request, kind, getattr(request, kind) + n)
+        self.totals["dropped"] += dropped
+        self.totals["rejected_by_supervisor"] += rejected
+        if waiter is not None:
+            waiter.dropped += dropped
+            waiter.rejected += rejected
 
-    def settle(self, worker: int, ticket: int, outcome: str, nbytes: int) -> PendingRequest | None:
-        """Record one outcome; returns the request if this was its last outstanding file."""
+    def settle(self, worker: int, ticket: int, outcome: str, nbytes: int) -> Waiter | None:
+        """Record one outcome; returns the waiter if this was its last outstanding file."""
         try:
-            request = self.open[worker].pop(ticket)
+            waiter = self.open[worker].pop(ticket)
         except KeyError:
             return None  # already failed when its worker died; a late answer changes nothing
         self.totals[outcome] += 1
         self.bytes_read += nbytes
-        if request.answered:
+        if waiter.answered:
             return None
-        request.outcomes[outcome] += 1
-        request.outstanding -= 1
-        return request if request.outstanding == 0 else None
+        waiter.outcomes[outcome] += 1
+        waiter.outstanding -= 1
+        return waiter if waiter.outstanding == 0 else None
 
-    def fail_worker(self, worker: int) -> list[PendingRequest]:
-        """A worker died: its files are `failed`, never forgotten. Returns requests now complete."""
+    def fail_worker(self, worker: int) -> list[Waiter]:
+        """A worker died: its files are `failed`, never forgotten. Returns waiters now complete."""
         self.totals["failed"] += self.anonymous[worker]
         self.anonymous[worker] = 0
-        tickets = list(self.open[worker])
         done = []
-        for ticket in tickets:
-            request = self.settle(worker, ticket, "failed", 0)
-            if request is not None:
-                done.append(request)
+        for ticket in list(self.open[worker]):
+            waiter = self.settle(worker, ticket, "failed", 0)
+            if waiter is not None:
+                done.append(waiter)
         return done
 
-    def expire(self, request: PendingRequest) -> None:
+    def expire(self, waiter: Waiter) -> None:
         """The deadline passed: what is still out is `expired` for this request.
 
         The tickets stay open so the totals still get their real outcome later;
-        the request is marked answered and no longer counts them.
+        the waiter is answered and no longer counts them.
         """
-        request.outcomes["expired"] += request.outstanding
-        self.totals["expired_replies"] += request.outstanding
-        request.outstanding = 0
+        waiter.outcomes["expired"] += waiter.outstanding
+        self.totals["expired_replies"] += waiter.outstanding
+        waiter.outstanding = 0

@@ -1,46 +1,99 @@
-"""Messages between the supervisor and a worker over their socketpair.
+"""Typed messages between the supervisor and a worker over their socketpair.
 
-The same length-prefixed msgpack framing as the public protocol, without its
-request envelope: both ends are ours. Message shapes, as msgpack arrays:
+The same length-prefixed msgpack framing as the public protocol, without its request
+envelope: both ends are ours. Each message is a small class; on the wire it is the array
+[kind, field, field, ...] in the class's field order, and only this module knows that
+order, so neither side indexes a message by position.
 
-  supervisor -> worker   ["warm", want, other_mode, [[ticket, root_index, relative], ...]]
-  worker -> supervisor   ["ready", {"engine": name, "pid": pid}]
-                         ["boot_failed", reason]
-                         ["done", [[ticket, outcome, bytes], ...], {counter: delta},
-                          {outcome: n} of fire-and-forget files (ticket 0), their bytes,
-                          [file latency bucket counts, latency sum] since the last "done"]
+  supervisor -> worker   Warm: files to warm, in one warm mode, to one depth
+  worker -> supervisor   Ready (booted, with its engine), BootFailed (why it cannot boot),
+                         Done (outcomes since the last Done: the worker's heartbeat)
+
+File entries stay plain arrays ([ticket, root_index, relative] one way, [ticket, outcome,
+bytes] the other): there are thousands per message, and a class per file would cost
+more than the residency check it reports.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import msgpack
 
 from kvprefetchd.protocol import HEADER, FrameReader
 
-WARM = "warm"
-READY = "ready"
-BOOT_FAILED = "boot_failed"
-DONE = "done"
-
 # A worker batch of 10^5 long paths stays well below this; anything larger is a bug.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
+# [ticket, root_index, relative path bytes]; ticket 0: a fire-and-forget file.
+WarmEntry = list[Any]
+# [ticket, outcome name, bytes read]
+Settled = list[Any]
 
-def pack(message: list[Any]) -> bytes:
-    body: bytes = msgpack.packb(message, use_bin_type=True)
+
+@dataclass(slots=True)
+class Warm:
+    """Files for a worker to warm `read_bytes` deep in `warm_mode` ("read" or "advise")."""
+
+    KIND: ClassVar[str] = "warm"
+    read_bytes: int
+    warm_mode: str
+    entries: list[WarmEntry]
+
+
+@dataclass(slots=True)
+class Ready:
+    """A worker booted: its engine is built and it takes work."""
+
+    KIND: ClassVar[str] = "ready"
+    engine: str
+    pid: int
+
+
+@dataclass(slots=True)
+class BootFailed:
+    """A worker cannot boot; respawning would fail the same way, so the daemon halts."""
+
+    KIND: ClassVar[str] = "boot_failed"
+    reason: str
+
+
+@dataclass(slots=True)
+class Done:
+    """Everything a worker settled since its last report; every batch ends in one."""
+
+    KIND: ClassVar[str] = "done"
+    settled: list[Settled] = field(default_factory=list)  # files of waiting requests
+    counters: dict[str, int] = field(default_factory=dict)  # deltas: batches, dedup hits
+    anonymous: dict[str, int] = field(default_factory=dict)  # fire-and-forget: outcome -> n
+    anonymous_bytes: int = 0
+    latency_counts: list[int] = field(default_factory=list)  # per-file histogram, merged
+    latency_sum: float = 0.0
+
+
+Message = Warm | Ready | BootFailed | Done
+_KINDS: dict[str, type[Message]] = {kind.KIND: kind for kind in (Warm, Ready, BootFailed, Done)}
+
+
+def encode(message: Message) -> bytes:
+    fields = [getattr(message, name) for name in message.__slots__]  # declaration order
+    body: bytes = msgpack.packb([message.KIND, *fields], use_bin_type=True)
     return HEADER.pack(len(body)) + body
 
 
-def unpack(payload: bytes) -> list[Any]:
-    message = msgpack.unpackb(payload, raw=False)
-    if not isinstance(message, list) or not message:
-        raise ValueError("channel message is not a non-empty array")
-    return message
+def decode(payload: bytes) -> Message:
+    raw = msgpack.unpackb(payload, raw=False)
+    if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
+        raise ValueError(f"not a channel message: {str(raw)[:80]}")
+    kind = _KINDS[raw[0]]
+    if len(raw) - 1 != len(kind.__slots__):
+        raise ValueError(f"{raw[0]}: {len(raw) - 1} fields, expected {len(kind.__slots__)}")
+    return kind(*raw[1:])
 
 
 class ChannelReader:
@@ -51,8 +104,8 @@ class ChannelReader:
         self._frames = FrameReader(MAX_MESSAGE_BYTES)
         self.closed = False
 
-    def read_available(self) -> list[list[Any]]:
-        messages: list[list[Any]] = []
+    def read_available(self) -> list[Message]:
+        messages: list[Message] = []
         while True:
             try:
                 data = self.sock.recv(1 << 20)
@@ -68,28 +121,22 @@ class ChannelReader:
                 break
             for frame in self._frames.feed(data):
                 if frame.payload is not None:
-                    messages.append(unpack(frame.payload))
+                    messages.append(decode(frame.payload))
         return messages
 
 
-def send_all_blocking(sock: socket.socket, data: bytes) -> None:
+def send_all_blocking(sock: socket.socket, message: Message) -> None:
     """Worker side: write a whole message, waiting when the supervisor is behind."""
-    view = memoryview(data)
+    view = memoryview(encode(message))
     while view:
         try:
             sent = sock.send(view)
         except BlockingIOError:
-            _wait_writable(sock)
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLOUT)
+            poller.poll(1000)
             continue
         view = view[sent:]
-
-
-def _wait_writable(sock: socket.socket) -> None:
-    import select
-
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLOUT)
-    poller.poll(1000)
 
 
 def close_other_fds(keep: set[int]) -> None:

@@ -7,7 +7,9 @@ typo fails loudly with the key's name instead of surfacing as odd behaviour late
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetchd.kv import KVError, Profile
-from kvprefetchd.metrics import MetricsAddressError, parse_metrics_address
 
 ENGINES = ("auto", "io_uring", "fadvise", "pread")
 WARM_MODES = ("read", "advise")
@@ -280,6 +281,70 @@ def _model_warm_modes(tables: Mapping[str, Any]) -> dict[str, str]:
             raise ConfigError(f"models.{name}.warm_mode: {mode!r} is not one of read, advise")
         modes[name] = mode
     return modes
+
+
+# ---- the metrics address -------------------------------------------------------------------
+
+
+class MetricsAddressError(ValueError):
+    """The `metrics` setting is not "HOST:PORT", "[IPV6]:PORT" or "unix:/PATH"."""
+
+
+@dataclass(frozen=True)
+class MetricsAddress:
+    family: socket.AddressFamily
+    host: str = ""  # an IP literal (TCP)
+    port: int = 0
+    path: str = ""  # AF_UNIX
+
+    def __str__(self) -> str:
+        if self.family == socket.AF_UNIX:
+            return f"unix:{self.path}"
+        if self.family == socket.AF_INET6:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+
+_FORMS = '"127.0.0.1:9464", "[::1]:9464" or "unix:/run/kvprefetchd/metrics.sock"'
+
+
+def parse_metrics_address(text: str) -> MetricsAddress:
+    """Parse (and validate, without binding) the `metrics` setting.
+
+    Only IP literals (and "localhost", meaning 127.0.0.1): resolving a name at
+    start would make the listening address depend on DNS.
+    """
+    if not isinstance(text, str) or not text:
+        raise MetricsAddressError(f"metrics: expected {_FORMS}")
+    if text.startswith(("unix:", "/")):
+        path = text.removeprefix("unix:")
+        if not path.startswith("/"):
+            raise MetricsAddressError(f"metrics: {text!r}: a Unix socket path must be absolute")
+        if len(os.fsencode(path)) > 107:  # sun_path is 108 bytes with its NUL
+            raise MetricsAddressError(f"metrics: {text!r}: path longer than 107 bytes")
+        return MetricsAddress(socket.AF_UNIX, path=path)
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+        if not sep:
+            raise MetricsAddressError(f"metrics: {text!r}: expected {_FORMS}")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise MetricsAddressError(
+                f"metrics: {text!r}: expected {_FORMS} (say 0.0.0.0:PORT for every interface)"
+            )
+        if ":" in host:
+            raise MetricsAddressError(f"metrics: {text!r}: write an IPv6 address in brackets")
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise MetricsAddressError(f"metrics: {text!r}: {host!r} is not an IP address") from None
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise MetricsAddressError(f"metrics: {text!r}: {port_text!r} is not a port number")
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    return MetricsAddress(family, host=str(ip), port=int(port_text))
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

@@ -24,13 +24,14 @@ class Roots:
         self._max = max_path_bytes
         ordered = sorted(range(len(roots)), key=lambda i: -len(roots[i]))
         self._prefixes = [(os.fsencode(roots[i]).rstrip(b"/") + b"/", i) for i in ordered]
-        self._str_prefixes = [(roots[i].rstrip("/") + "/", i) for i in ordered]
-        # The common case, one root and plain names, is placed without further calls.
-        self._only = self._str_prefixes[0] if len(roots) == 1 else None
-        # The limit is in bytes, as the kernel counts them: what a str path's relative
-        # part may take once encoded, beside its root's prefix.
-        self._room = {i: max_path_bytes - len(raw) for raw, i in self._prefixes}
-        self._only_room = self._room[0] if len(roots) == 1 else 0
+        # The common case, one root and plain names, is placed without further calls. The
+        # limit is in bytes, as the kernel counts them: what a str path's relative part may
+        # take once encoded, beside the root's prefix.
+        self._only: tuple[str, int] | None = None
+        self._only_room = 0
+        if len(roots) == 1:
+            self._only = (roots[0].rstrip("/") + "/", 0)
+            self._only_room = max_path_bytes - len(self._prefixes[0][0])
 
     def place(self, path: object) -> Placed | str:
         """The root a path lies under, or the reason it is rejected.
@@ -54,33 +55,25 @@ class Roots:
                 relative = relative_text.encode()
                 if len(relative) <= self._only_room:
                     return (only[1], relative)
+        # Any other root, or a name the fast path did not take: on the bytes the kernel sees.
         if isinstance(path, str):
-            if len(path) > self._max:
-                return "path too long"
-            for prefix, index in self._str_prefixes:
-                if path.startswith(prefix):
-                    relative_text = path[len(prefix) :]
-                    if "\0" in relative_text:
-                        return "NUL byte in path"
-                    try:
-                        relative = relative_text.encode()
-                    except UnicodeEncodeError:
-                        return "path is not encodable"
-                    if len(relative) > self._room[index]:
-                        return "path too long"
-                    return self._check(index, relative)
-            return self._unplaced(path.startswith("/"), "\0" in path)
-        if isinstance(path, bytes):
-            if len(path) > self._max:
-                return "path too long"
-            for raw_prefix, index in self._prefixes:
-                if path.startswith(raw_prefix):
-                    relative = path[len(raw_prefix) :]
-                    if b"\0" in relative:
-                        return "NUL byte in path"
-                    return self._check(index, relative)
-            return self._unplaced(path.startswith(b"/"), b"\0" in path)
-        return "path is not a string"
+            try:
+                raw = path.encode()
+            except UnicodeEncodeError:
+                return "path is not encodable"
+        elif isinstance(path, bytes):
+            raw = path
+        else:
+            return "path is not a string"
+        if len(raw) > self._max:
+            return "path too long"
+        for prefix, index in self._prefixes:
+            if raw.startswith(prefix):
+                relative = raw[len(prefix) :]
+                if b"\0" in relative:
+                    return "NUL byte in path"
+                return self._check(index, relative)
+        return self._unplaced(raw.startswith(b"/"), b"\0" in raw)
 
     @staticmethod
     def _check(index: int, relative: bytes) -> Placed | str:

@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 SERVICE = "kvprefetchd.service"
@@ -180,16 +180,16 @@ class Installer:
 
 
 def _user_exists(name: str) -> bool:
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        return False
-    return True
+    return _known(pwd.getpwnam, name)
 
 
 def _group_exists(name: str) -> bool:
+    return _known(grp.getgrnam, name)
+
+
+def _known(lookup: Callable[[str], object], name: str) -> bool:
     try:
-        grp.getgrnam(name)
+        lookup(name)
     except KeyError:
         return False
     return True

@@ -14,7 +14,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from kvprefetch.stats import KVStats
 from kvprefetchd import kv
+from kvprefetchd.config import Config
 from kvprefetchd.protocol import BAD_REQUEST, RequestError
 
 log = logging.getLogger("kvprefetchd.kv")
@@ -22,6 +24,10 @@ log = logging.getLogger("kvprefetchd.kv")
 # A discovered fingerprint is looked up again after this long, so a model
 # redeployed with a new fingerprint is picked up without a restart.
 REDISCOVER_SECONDS = 60.0
+
+
+def kv_limits(config: Config) -> kv.Limits:
+    return kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens)
 
 
 class KVService:
@@ -43,13 +49,18 @@ class KVService:
         self.resolved_requests = 0
         self.resolve_seconds = 0.0
 
-    def reconfigure(
-        self, profiles: Mapping[str, kv.Profile], limits: kv.Limits, *, allow_inline: bool
-    ) -> None:
+    @classmethod
+    def from_config(cls, config: Config) -> KVService:
+        return cls(
+            config.models, kv_limits(config), allow_inline=config.allow_inline_layouts,
+            stale_streak=config.stale_streak, roots=config.roots,
+        )
+
+    def reconfigure(self, config: Config) -> None:
         """New profiles and limits on reload; discovered fingerprints are looked up afresh."""
-        self.profiles = profiles
-        self.limits = limits
-        self.allow_inline = allow_inline
+        self.profiles = config.models
+        self.limits = kv_limits(config)
+        self.allow_inline = config.allow_inline_layouts
         self._discovered.clear()
 
     def resolve(
@@ -144,7 +155,7 @@ class KVService:
                 self.stale.likely_fingerprint(key),
             )
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> KVStats:
         return {
             "profiles": sorted(self.profiles),
             "resolved_requests": self.resolved_requests,

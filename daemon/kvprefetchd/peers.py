@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # asm-generic/socket.h
 _UCRED = struct.Struct("3i")  # pid, uid, gid
-_MAX_GROUPS = 65536
 
 
 @dataclass(frozen=True)

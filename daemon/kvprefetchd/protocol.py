@@ -1,7 +1,7 @@
 """Wire protocol v1: frames, limits, request schemas and error replies.
 
 Knows bytes and ops, nothing about engines or workers. The contract is
-design/protocol.md: a 4-byte big-endian length, then one msgpack map.
+docs/protocol.md: a 4-byte big-endian length, then one msgpack map.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import msgpack
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 
-# Error codes (design/protocol.md, "Errors").
+# Error codes (docs/protocol.md, "Errors").
 BAD_REQUEST = "bad_request"
 UNSUPPORTED_VERSION = "unsupported_version"
 UNKNOWN_OP = "unknown_op"
@@ -24,10 +24,15 @@ TOO_LARGE = "too_large"
 FORBIDDEN = "forbidden"
 OVERLOADED = "overloaded"
 INTERNAL = "internal"
+ERROR_CODES = (
+    BAD_REQUEST, UNSUPPORTED_VERSION, UNKNOWN_OP, TOO_LARGE, FORBIDDEN, OVERLOADED, INTERNAL
+)
 
 OPS = ("ping", "prefetch", "prefetch_blocks", "resolve", "stats")
 
-# Per-file outcomes, in the order the books list them.
+# The outcomes of accepted files, in the order the books and the `outcomes` map list them
+# (docs/protocol.md, "Per-file outcomes"; tests/unit/test_protocol_conformance.py holds the
+# daemon, both clients and that table to the same names).
 OUTCOMES = ("read", "resident", "missing", "rejected", "failed", "expired")
 
 
@@ -133,14 +138,19 @@ def decode_payload(payload: bytes, limits: Limits) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise RequestError(BAD_REQUEST, f"a request is a map, not {type(message).__name__}")
     if nests_deeper_than(message, limits.max_nesting_depth):
-        raw_id = message.get("id")
-        request_id = raw_id if type(raw_id) is int and raw_id >= 0 else None
         raise RequestError(
             TOO_LARGE,
             f"arrays and maps nested deeper than max_nesting_depth ({limits.max_nesting_depth})",
-            request_id,
+            request_id_of(message),
         )
     return message
+
+
+def request_id_of(message: dict[str, Any]) -> int | None:
+    """The request's id if it is a usable one (an unsigned integer, not a bool), else None:
+    the one test of an id, so every error reply echoes the same ids."""
+    request_id = message.get("id")
+    return request_id if type(request_id) is int and request_id >= 0 else None
 
 
 def nests_deeper_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
@@ -175,8 +185,8 @@ class Request:
 
 def parse_request(message: dict[str, Any]) -> Request:
     """Check the envelope (v, id, op); op-specific fields are checked by the op itself."""
-    request_id = message.get("id")
-    if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+    request_id = request_id_of(message)
+    if request_id is None:
         raise RequestError(BAD_REQUEST, "id: expected an unsigned integer")
     version = message.get("v")
     if isinstance(version, bool) or not isinstance(version, int):

@@ -16,23 +16,23 @@ import socket
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from kvprefetchd.channel import (
-    BOOT_FAILED,
-    DONE,
-    READY,
-    WARM,
+    BootFailed,
     ChannelReader,
+    Done,
+    Ready,
+    Warm,
     close_other_fds,
-    pack,
     send_all_blocking,
 )
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, QueueAnswer, WarmItem
 from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
-from kvprefetchd.metrics import FILE_BUCKETS, Histogram
+from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 
 log = logging.getLogger("kvprefetchd.worker")
 
@@ -57,14 +57,18 @@ class WorkerPlan:
     index: int
     roots: tuple[str, ...]
     rules: tuple[int, ...]
-    engine_classes: tuple[type[Engine], ...]
+    # Warm mode ("read", "advise") -> the engines to try, best first. The first mode is
+    # the configured one (built at boot); another is there only when a model profile
+    # chooses it and an engine of that mode can run here (built on first use).
+    engines: Mapping[str, tuple[type[Engine], ...]]
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
     nice: int = 0
-    # The engines for the other warm mode (a model profile may choose it); empty when
-    # no profile does, or when no engine of that mode can run here.
-    other_mode_classes: tuple[type[Engine], ...] = ()
+
+    @property
+    def warm_mode(self) -> str:
+        return next(iter(self.engines))
 
 
 # mallopt(3) parameter numbers, from glibc's <malloc.h>.
@@ -104,14 +108,13 @@ class Worker:
     def __init__(self, plan: WorkerPlan, sock: socket.socket, engine: Engine) -> None:
         self.plan = plan
         self.sock = sock
-        self.engine = engine
         self.reader = ChannelReader(sock)
         self.root_fds = [_open_root(root) for root in plan.roots]
         self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries)
         self.in_flight = InFlight()
-        self.pending: deque[WarmItem] = deque()  # the configured warm mode
-        self.pending_other: deque[WarmItem] = deque()  # the other mode (per model profile)
-        self.other_engine: Engine | None = None
+        # Per warm mode: its engine (built when first needed) and the files waiting for it.
+        self.engines: dict[str, Engine] = {plan.warm_mode: engine}
+        self.pending: dict[str, deque[WarmItem]] = {plan.warm_mode: deque()}
         self.outcomes: list[list[Any]] = []  # [ticket, outcome, bytes] of waiting requests
         self.anonymous: Counter[str] = Counter()  # outcomes of fire-and-forget files
         self.anonymous_bytes = 0
@@ -121,31 +124,38 @@ class Worker:
         }
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
 
+    @property
+    def engine(self) -> Engine:
+        """The engine of the configured warm mode."""
+        return self.engines[self.plan.warm_mode]
+
     def run(self) -> None:
         poller = select.poll()
         poller.register(self.sock.fileno(), select.POLLIN)
         while True:
-            poller.poll(0 if self.pending or self.pending_other else None)
+            poller.poll(0 if any(self.pending.values()) else None)
             for message in self.reader.read_available():
-                self.accept(message)
+                if isinstance(message, Warm):
+                    self.accept(message)
+                else:
+                    log.warning("worker %d: unexpected %s", self.plan.index, type(message))
             if self.reader.closed:
                 return  # the supervisor is gone: nobody to report to
             self.flush()
-            if self.pending:
-                self.warm_one_batch(self.engine, self.pending)
-                self.flush()
-            if self.pending_other:
-                self.warm_one_batch(self.engine_for_other_mode(), self.pending_other)
-                self.counters["batches_other_mode"] += 1
-                self.flush()
+            for mode, pending in self.pending.items():
+                if pending:
+                    self.warm_one_batch(self.engine_for(mode), pending)
+                    if mode != self.plan.warm_mode:
+                        self.counters["batches_other_mode"] += 1
+                    self.flush()
 
-    def accept(self, message: list[Any]) -> None:
-        if message[0] != WARM:
-            log.warning("worker %d: unknown message %r", self.plan.index, message[0])
-            return
+    def accept(self, message: Warm) -> None:
         received = time.monotonic()
-        _, want, other_mode, entries = message
-        for ticket, root_index, relative in entries:
+        want = message.read_bytes
+        queue = self.pending.get(message.warm_mode)
+        if queue is None:
+            queue = self.pending[message.warm_mode] = deque()
+        for ticket, root_index, relative in message.entries:
             key: Key = (root_index, relative)
             if self.recent.covers(key, want):
                 self.counters["dedup_recent"] += 1
@@ -161,7 +171,6 @@ class Worker:
                     self.outcome(waiting, "missing", 0)
                 continue
             rule = self.plan.rules[root_index]
-            queue = self.pending_other if other_mode else self.pending
             queue.append(WarmItem(root_fd, rule, relative, want, key, received))
 
     def root_fd(self, index: int) -> int:
@@ -173,7 +182,7 @@ class Worker:
     def warm_one_batch(self, engine: Engine, pending: deque[WarmItem]) -> None:
         """Hand the engine one batch (at most batch_files files and MAX_BATCH_BYTES) and settle it.
 
-        Every batch ends in a `done` message (each file gets an outcome), which is
+        Every batch ends in a Done message (each file gets an outcome), which is
         the worker's heartbeat: bounding a batch bounds the supervisor's silence.
         """
         queued: list[WarmItem] = []
@@ -193,16 +202,19 @@ class Worker:
         for completion in engine.reap():
             self.settle(completion)
 
-    def engine_for_other_mode(self) -> Engine:
+    def engine_for(self, warm_mode: str) -> Engine:
         """Built on first use; where it cannot be built, the configured engine serves."""
-        if self.other_engine is None:
+        engine = self.engines.get(warm_mode)
+        if engine is None:
+            candidates = self.plan.engines.get(warm_mode, ())
             try:
-                self.other_engine = build_engine(self.plan, self.plan.other_mode_classes)
+                engine = build_engine(self.plan, candidates)
             except Exception as error:
-                log.warning("worker %d: other warm mode unavailable (%s); using %s",
-                            self.plan.index, error, self.engine.name)
-                self.other_engine = self.engine
-        return self.other_engine
+                log.warning("worker %d: %s warm mode unavailable (%s); using %s",
+                            self.plan.index, warm_mode, error, self.engine.name)
+                engine = self.engine
+            self.engines[warm_mode] = engine
+        return engine
 
     def settle(self, completion: Completion) -> None:
         item = completion.item
@@ -235,22 +247,24 @@ class Worker:
             return
         counters = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
-        latency = [self.latency.counts, self.latency.sum]
-        message = [DONE, self.outcomes, counters, dict(self.anonymous), self.anonymous_bytes,
-                   latency]
-        send_all_blocking(self.sock, pack(message))
+        send_all_blocking(self.sock, Done(
+            settled=self.outcomes,
+            counters=counters,
+            anonymous=dict(self.anonymous),
+            anonymous_bytes=self.anonymous_bytes,
+            latency_counts=self.latency.counts,
+            latency_sum=self.latency.sum,
+        ))
         self.outcomes = []
         self.anonymous.clear()
         self.anonymous_bytes = 0
         self.latency = Histogram(FILE_BUCKETS)
 
 
-def build_engine(
-    plan: WorkerPlan, candidates: tuple[type[Engine], ...] | None = None
-) -> Engine:
+def build_engine(plan: WorkerPlan, candidates: tuple[type[Engine], ...]) -> Engine:
     """The first candidate engine that sets up here; the last one's error if none does."""
     failure: Exception | None = None
-    for engine_class in plan.engine_classes if candidates is None else candidates:
+    for engine_class in candidates:
         try:
             return engine_class(plan.engine_settings)
         except Exception as error:
@@ -284,11 +298,11 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
         try:
             if injected(WORKER_BOOT_FAILS):
                 raise RuntimeError("boot failure injected by KVPREFETCHD_FAULTS")
-            engine = build_engine(plan)
+            engine = build_engine(plan, plan.engines[plan.warm_mode])
         except Exception as error:
-            send_all_blocking(sock, pack([BOOT_FAILED, f"{type(error).__name__}: {error}"]))
+            send_all_blocking(sock, BootFailed(f"{type(error).__name__}: {error}"))
             os._exit(EXIT_BOOT_FAILED)
-        send_all_blocking(sock, pack([READY, {"engine": engine.name, "pid": os.getpid()}]))
+        send_all_blocking(sock, Ready(engine.name, os.getpid()))
         Worker(plan, sock, engine).run()
     except BaseException:
         log.exception("worker %d crashed", plan.index)

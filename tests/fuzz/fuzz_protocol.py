@@ -58,7 +58,7 @@ def check(data: bytes) -> None:
     supervisor.reset_stream()
     supervisor.stream(stream, cuts)
     if supervisor.internal_errors():
-        raise AssertionError(f"internal errors: {dict(supervisor.supervisor.requests)}")
+        raise AssertionError(f"internal errors: {dict(supervisor.supervisor.ops.requests)}")
 
 
 def main(argv: Sequence[str]) -> None:

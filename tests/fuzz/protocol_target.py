@@ -1,8 +1,8 @@
 """The supervisor's request path, in-process: bytes on a socket in, replies out.
 
 Fuzzing through the daemon's listening socket costs a process switch per example;
-this drives the same objects instead (Supervisor.read_connection, so FrameReader,
-decode_payload, parse_request, dispatch, each op's validation, confinement, the KV
+this drives the same objects instead (the server's connection read path, so FrameReader,
+decode_payload, parse_request, the ops' dispatch, each op's validation, confinement, the KV
 parser and hasher, the books) on a real Connection over a socketpair. Nothing is
 mocked. The supervisor has no workers, so an accepted path finds no room in any
 queue and is counted `dropped`: what is fuzzed is everything before the disk.
@@ -31,7 +31,6 @@ import msgpack
 from kvharness.wire import FrameSplitter, frame, split_frames, unpack
 from kvprefetchd.config import Config
 from kvprefetchd.protocol import RequestError, decode_payload
-from kvprefetchd.server import Connection
 from kvprefetchd.supervisor import Supervisor
 
 # docs/protocol.md, "Errors"; `internal` is documented but is a bug when a request causes it.
@@ -137,7 +136,7 @@ class InProcessSupervisor:
     def _pump(self, got: list[dict[str, Any]]) -> None:
         """Let the supervisor read what is buffered, and collect what it wrote back."""
         while True:
-            self.supervisor.read_connection(self.connection)
+            self.supervisor.server.on_connection_event(self.connection, selectors.EVENT_READ)
             self.connection.flush()
             progressed = False
             while True:
@@ -168,7 +167,7 @@ class InProcessSupervisor:
     def expected_id(self, body: bytes, message: Any) -> int | None:
         """The request's id, unless the frame does not decode (then no id can be read)."""
         try:
-            decode_payload(body, self.supervisor.limits)
+            decode_payload(body, self.supervisor.ops.limits)
         except RequestError:
             return None
         return usable_id(message)
@@ -189,7 +188,7 @@ class InProcessSupervisor:
         return replies
 
     def reset_stream(self) -> None:
-        """A fresh connection, registered as accept_connections would register it.
+        """A fresh connection, registered as the server registers an accepted one.
 
         (Arbitrary bytes may leave the old one mid-frame or mid-skip for ever.)
         """
@@ -198,18 +197,15 @@ class InProcessSupervisor:
         server_end, self.client = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         server_end.setblocking(False)
         self.client.setblocking(False)
-        sup = self.supervisor
-        self.connection = Connection(server_end, sup.config.max_frame_bytes,
-                                     sup.config.max_output_bytes)
-        sup.connections[server_end.fileno()] = self.connection
-        sup.selector.register(server_end, selectors.EVENT_READ, self.connection)
+        self.connection = self.supervisor.server.add_connection(server_end)
         self.replies = FrameSplitter()  # the replies, read with the harness's framing
 
     def internal_errors(self) -> int:
-        return sum(n for key, n in self.supervisor.requests.items() if key.endswith("_internal"))
+        return sum(n for key, n in self.supervisor.ops.requests.items()
+                   if key.endswith("_internal"))
 
     def close_connection(self) -> None:
-        self.supervisor.drop_connection(self.connection)
+        self.supervisor.server.drop(self.connection)
         self.client.close()
 
     def close(self) -> None:

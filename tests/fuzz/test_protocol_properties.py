@@ -67,7 +67,7 @@ LIMITS = Limits(max_frame_bytes=SMALL_LIMITS["max_frame_bytes"],
 def target() -> Iterator[InProcessSupervisor]:
     instance = InProcessSupervisor(**SMALL_LIMITS)
     yield instance
-    assert instance.internal_errors() == 0, instance.supervisor.requests
+    assert instance.internal_errors() == 0, instance.supervisor.ops.requests
     instance.close()
 
 

@@ -371,7 +371,7 @@ def test_a_supervisor_out_of_fds_neither_spins_nor_dies_and_recovers(
     assert d.process.poll() is None
     stats = settled_stats(d)  # the worker is back once a retry finds the fds
     assert victim not in d.worker_pids() and stats["worker_restarts"] == 1
-    assert stats["requests"]["accept_paused"] >= 2 and books_balance(stats)
+    assert stats["events"]["accept_paused"] >= 2 and books_balance(stats)
     later = held.call("prefetch", paths=files, wait=True, timeout_ms=30_000)
     assert balanced(later) and later["accepted"] == len(files) and later["dropped"] == 0
     held.close()

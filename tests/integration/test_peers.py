@@ -96,7 +96,7 @@ def test_a_stranger_is_forbidden_and_the_daemon_goes_on(
     assert reply["ok"] is False and reply["error"]["code"] == "forbidden", reply
     assert closed
     assert d.call("ping")["ok"]
-    assert d.call("stats")["stats"]["requests"]["peers_forbidden"] == 1
+    assert d.call("stats")["stats"]["events"]["peers_forbidden"] == 1
 
 
 def test_allowed_uids_and_supplementary_groups_let_peers_in(

@@ -55,4 +55,4 @@ def test_an_invalid_file_is_refused_and_the_old_config_stays(
     config.write_text("read_bytes = [\n")
     reload_and_wait(d, "reload refused")
     stats = d.call("stats")["stats"]
-    assert stats["requests"]["reload_refused"] == 2
+    assert stats["events"]["reload_refused"] == 2

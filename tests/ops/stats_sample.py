@@ -1,24 +1,26 @@
 """A `stats` reply as the daemon shapes it, for the metrics tests (a module, not a conftest:
-tests/conftest.py is imported as `conftest` by the tests that start a real daemon)."""
+tests/conftest.py is imported as `conftest` by the tests that start a real daemon).
+
+Typed by the one stats schema (kvprefetch.stats), so mypy and the test of its keys below
+catch a fixture that drifts from what the daemon produces.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvprefetchd import metrics
-from kvprefetchd.metrics import Histogram, Histograms
+from kvprefetch.stats import Stats
+from kvprefetchd.histogram import ACK_BUCKETS, FILE_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
 
 
-def realistic_stats() -> dict[str, Any]:
-    """The shape of a real `stats` reply (0.1.0), plus the latency section the supervisor adds."""
-    ack = Histograms(metrics.ACK_BUCKETS)
+def realistic_stats() -> Stats:
+    """The shape of a real `stats` reply, with figures a test can predict."""
+    ack = Histograms(ACK_BUCKETS)
     for value in (0.00004, 0.00009, 0.0003):
         ack.observe("prefetch", value)
     ack.observe("ping", 0.00002)
-    wait = Histogram(metrics.WAIT_BUCKETS)
+    wait = Histogram(WAIT_BUCKETS)
     wait.observe(0.004)
     wait.observe(0.7)
-    files = Histogram(metrics.FILE_BUCKETS)
+    files = Histogram(FILE_BUCKETS)
     for value in (0.00003, 0.002, 0.002, 3.0):
         files.observe(value)
     return {
@@ -27,10 +29,11 @@ def realistic_stats() -> dict[str, Any]:
         "engine": "io_uring",
         "warm_mode": "read",
         "requests": {
-            "ping": 3, "prefetch": 10, "prefetch_blocks": 2, "stats": 1,
-            "error_bad_request": 1, "error_unknown_op": 2, "too_large": 1,
-            "connections_refused": 4, "reload_refused": 1,
+            "ping:ok": 3, "prefetch:ok": 10, "prefetch_blocks:ok": 2, "stats:ok": 1,
+            "none:error_bad_request": 1, "unknown:error_unknown_op": 2, "none:error_too_large": 1,
+            "prefetch:error_overloaded": 2,
         },
+        "events": {"connections_refused": 4, "reload_refused": 1, "reloads": 2},
         "files": {
             "accepted": 40, "dropped": 5, "rejected_by_supervisor": 2, "read": 20,
             "resident": 10, "missing": 6, "rejected": 1, "failed": 1, "expired_replies": 3,
@@ -44,8 +47,15 @@ def realistic_stats() -> dict[str, Any]:
             "stale": {
                 "qwen3-8b": {"fingerprint": "07d7b166f256", "missing": 300, "present": 0,
                              "missing_streak": 300, "stale": True,
-                             "likely_fingerprint": "aaaaaaaaaaaa"},
+                             "likely_fingerprint": "aaaaaaaaaaaa",
+                             "sibling_fingerprints": ["aaaaaaaaaaaa"], "own_folder": False,
+                             "hint": "the last 300 files under 07d7b166f256 were all missing"},
             },
+        },
+        "latency": {
+            "ack_seconds": ack.snapshot(),
+            "wait_seconds": wait.snapshot(),
+            "file_seconds": files.snapshot(),
         },
         "worker_restarts": 1,
         "workers_killed_wedged": 1,
@@ -56,14 +66,10 @@ def realistic_stats() -> dict[str, Any]:
             {"rss_bytes": 18_000_000, "cpu_seconds": 1.5, "open_fds": 6, "index": 0,
              "pid": 101, "ready": True, "engine": "io_uring", "queue_depth": 3,
              "queue_limit": 8192, "restarts": 1, "silent_s": 2.5, "batches": 9,
-             "dedup_recent": 4},
+             "batches_other_mode": 0, "dedup_recent": 4, "dedup_in_flight": 1},
             {"rss_bytes": 19_000_000, "cpu_seconds": 0.5, "open_fds": 7, "index": 1,
              "pid": 102, "ready": False, "engine": "", "queue_depth": 0,
-             "queue_limit": 8192, "restarts": 0, "silent_s": 0.0},
+             "queue_limit": 8192, "restarts": 0, "silent_s": 0.0, "batches": 0,
+             "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0},
         ],
-        "latency": {
-            "ack_seconds": ack.snapshot(),
-            "wait_seconds": wait.snapshot(),
-            "file_seconds": files.snapshot(),
-        },
     }

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from stats_sample import realistic_stats
 
-from kvprefetchd import metrics
-from kvprefetchd.metrics import Histogram, Histograms, render
+from kvprefetch.stats import Stats, WorkerStats
+from kvprefetchd.exposition import render
+from kvprefetchd.histogram import ACK_BUCKETS, FILE_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
 
 # ---- Histogram -------------------------------------------------------------------------------
 
@@ -63,18 +64,18 @@ def test_quantile_interpolates_within_a_bucket_like_histogram_quantile() -> None
 
 
 def test_histograms_keep_one_per_label() -> None:
-    family = Histograms(metrics.ACK_BUCKETS)
+    family = Histograms(ACK_BUCKETS)
     family.observe("prefetch", 0.0002)
     family.observe("ping", 0.00002)
     family.observe("prefetch", 0.5)
     snapshot = family.snapshot()
     assert list(snapshot) == ["ping", "prefetch"]
     assert snapshot["prefetch"]["count"] == 2
-    assert snapshot["ping"]["buckets"] == list(metrics.ACK_BUCKETS)
+    assert snapshot["ping"]["buckets"] == list(ACK_BUCKETS)
 
 
 @pytest.mark.parametrize(
-    "bounds", [metrics.ACK_BUCKETS, metrics.FILE_BUCKETS, metrics.WAIT_BUCKETS]
+    "bounds", [ACK_BUCKETS, FILE_BUCKETS, WAIT_BUCKETS]
 )
 def test_the_shipped_bucket_sets_are_valid(bounds: tuple[float, ...]) -> None:
     Histogram(bounds)
@@ -123,14 +124,15 @@ def test_render_names_labels_and_values() -> None:
     assert sample(f, "kvprefetchd_uptime_seconds:gauge") == 12.5
     requests = "kvprefetchd_requests:counter"
     total = "kvprefetchd_requests_total"
-    assert sample(f, requests, total, op="prefetch", result="received") == 10
-    assert sample(f, requests, total, op="ping", result="received") == 3
-    assert sample(f, requests, total, op="unknown", result="bad_request") == 1
+    assert sample(f, requests, total, op="prefetch", result="ok") == 10
+    assert sample(f, requests, total, op="prefetch", result="overloaded") == 2
+    assert sample(f, requests, total, op="ping", result="ok") == 3
+    assert sample(f, requests, total, op="none", result="bad_request") == 1
     assert sample(f, requests, total, op="unknown", result="unknown_op") == 2
-    assert sample(f, requests, total, op="unknown", result="too_large") == 1
-    assert sample(
-        f, "kvprefetchd_events:counter", "kvprefetchd_events_total", event="connections_refused"
-    ) == 4
+    assert sample(f, requests, total, op="none", result="too_large") == 1
+    events, events_total = "kvprefetchd_events:counter", "kvprefetchd_events_total"
+    assert sample(f, events, events_total, event="connections_refused") == 4
+    assert sample(f, events, events_total, event="reloads") == 2
     files = "kvprefetchd_files:counter"
     assert sample(f, files, "kvprefetchd_files_total", outcome="read") == 20
     assert sample(f, files, "kvprefetchd_files_total", outcome="rejected") == 3  # 2 + 1
@@ -218,32 +220,28 @@ def test_every_metric_name_follows_prometheus_conventions() -> None:
             assert not family.name.endswith(unit)
 
 
-def test_an_exact_op_result_key_is_rendered_as_is() -> None:
-    stats = {"requests": {"prefetch:ok": 5, "prefetch:error_overloaded": 2, "resolve:ok": 1}}
+def test_the_sample_has_every_key_of_the_schema() -> None:
+    """The fixture is the schema's: a key the daemon gains or loses fails here (and mypy)."""
+    sample_stats = realistic_stats()
+    assert set(sample_stats) == Stats.__required_keys__
+    every_worker_key = WorkerStats.__required_keys__ | WorkerStats.__optional_keys__
+    assert all(set(worker) == every_worker_key for worker in sample_stats["workers"])
+
+
+def test_an_empty_histogram_still_renders_its_family() -> None:
+    stats = realistic_stats()
+    stats["latency"]["wait_seconds"] = Histogram(WAIT_BUCKETS).snapshot()
     f = parse(render(stats))
-    family, total = "kvprefetchd_requests:counter", "kvprefetchd_requests_total"
-    assert sample(f, family, total, op="prefetch", result="ok") == 5
-    assert sample(f, family, total, op="prefetch", result="overloaded") == 2
-    assert sample(f, family, total, op="resolve", result="ok") == 1
-
-
-def test_render_copes_with_an_empty_or_odd_stats_dict() -> None:
-    assert parse(render({}))  # build and engine info at least
-    odd = realistic_stats()
-    odd["latency"]["wait_seconds"] = {"buckets": [1.0], "counts": [1], "sum": 1.0}  # malformed
-    odd["files"]["read"] = None
-    odd["uptime_s"] = math.nan
-    odd["workers"].append("not a worker")
-    f = parse(render(odd))
-    assert "kvprefetchd_wait_seconds:histogram" not in f
-    assert "kvprefetchd_uptime_seconds:gauge" not in f
-    assert ("kvprefetchd_files_total", (("outcome", "read"),)) not in f[
-        "kvprefetchd_files:counter"
-    ]
+    wait = "kvprefetchd_wait_seconds:histogram"
+    assert sample(f, wait, "kvprefetchd_wait_seconds_count") == 0
+    assert sample(f, wait, "kvprefetchd_wait_seconds_bucket", le="+Inf") == 0
 
 
 def test_labels_are_escaped() -> None:
-    stats = {"roots": [{"root": '/mnt/"odd"\\path\n', "fstype": "nfs4", "rule": "pagecache"}]}
+    stats = realistic_stats()
+    stats["roots"] = [
+        {"root": '/mnt/"odd"\\path\n', "fstype": "nfs4", "rule": "pagecache", "why": ""}
+    ]
     f = parse(render(stats))
     assert sample(
         f, "kvprefetchd_root_info:gauge", "kvprefetchd_root_info",
@@ -260,7 +258,12 @@ def test_rendering_starts_no_thread() -> None:
 def test_render_of_a_real_daemons_stats(daemon: Any) -> None:
     (daemon.root / "a.bin").write_bytes(b"x" * 8192)
     daemon.call("prefetch", paths=[str(daemon.root / "a.bin"), "/etc/passwd"], wait=True)
-    f = parse(render(daemon.call("stats")["stats"]))
+    stats = daemon.call("stats")["stats"]
+    # The daemon produces exactly the schema's keys, as the fixture above does.
+    assert set(stats) == Stats.__required_keys__
+    every_worker_key = WorkerStats.__required_keys__ | WorkerStats.__optional_keys__
+    assert all(set(worker) == every_worker_key for worker in stats["workers"])
+    f = parse(render(stats))
     total = "kvprefetchd_requests_total"
     assert sample(f, "kvprefetchd_requests:counter", total, op="prefetch", result="ok") == 1
     outcomes = f["kvprefetchd_files:counter"]

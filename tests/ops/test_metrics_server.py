@@ -20,15 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from stats_sample import realistic_stats
 
-from kvprefetchd import metrics
-from kvprefetchd.metrics import (
-    CONTENT_TYPE,
-    MetricsAddress,
-    MetricsAddressError,
-    MetricsServer,
-    open_metrics_listener,
-    parse_metrics_address,
-)
+from kvprefetchd.config import MetricsAddress, MetricsAddressError, parse_metrics_address
+from kvprefetchd.exposition import CONTENT_TYPE, render
+from kvprefetchd.metrics_http import MetricsServer, open_metrics_listener
 from kvprefetchd.server import ACCEPT_REST
 
 BODY = b"# HELP kvprefetchd_up test\n# TYPE kvprefetchd_up gauge\nkvprefetchd_up 1.0\n"
@@ -52,8 +46,7 @@ class Loop:
 
     def run_once(self, timeout: float = 0.02) -> None:
         for key, events in self.selector.select(timeout):
-            assert self.server.handles(key.data)
-            self.server.on_event(key, events)
+            key.data(events)
         self.server.expire(self.server.clock())
 
     def pump_until(self, done: Callable[[], bool], limit: float = 5.0) -> None:
@@ -137,7 +130,7 @@ def test_get_metrics_over_tcp_answers_200_with_the_body(tcp_loop: Loop) -> None:
 def test_a_real_render_is_served_and_parses(clock: Clock) -> None:
     server = MetricsServer(
         open_metrics_listener("127.0.0.1:0"),
-        lambda: metrics.render(realistic_stats()),
+        lambda: render(realistic_stats()),
         clock=clock,
     )
     loop = Loop(server)
@@ -368,10 +361,13 @@ def test_bad_metrics_addresses_are_refused_with_the_forms(text: str) -> None:
         parse_metrics_address(text)
 
 
-def test_the_server_ignores_keys_it_does_not_own(tcp_loop: Loop) -> None:
-    assert not tcp_loop.server.handles("listener")
-    assert not tcp_loop.server.handles(object())
-    assert tcp_loop.server.handles(tcp_loop.server)
+def test_every_key_it_registers_carries_a_callback(tcp_loop: Loop) -> None:
+    """The supervisor's loop calls key.data(events) for every key: no dispatch by type."""
+    client = connect(tcp_loop.server)
+    tcp_loop.run_once()
+    keys = list(tcp_loop.selector.get_map().values())
+    assert len(keys) == 2 and all(callable(key.data) for key in keys)
+    client.close()
 
 
 def test_out_of_fds_the_listener_rests_instead_of_spinning(

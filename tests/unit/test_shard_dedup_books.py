@@ -1,4 +1,4 @@
-"""Sharding, the worker's dedup memory and the supervisor's books: pure logic."""
+"""Admission and sharding, the worker's dedup memory and the supervisor's books: pure logic."""
 
 from __future__ import annotations
 
@@ -6,17 +6,19 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from typing import Any
 
-from kvprefetchd.books import Books, PendingRequest
+from kvprefetchd.admit import admit, shard_of
+from kvprefetchd.books import Books, Waiter
+from kvprefetchd.confine import Roots
 from kvprefetchd.dedup import InFlight, RecentlyWarmed
-from kvprefetchd.shard import shard_of
 
 
 def test_shard_is_stable_across_processes() -> None:
     names = [f"{i:064x}.bin".encode() for i in range(50)]
     here = [shard_of(0, name, 7) for name in names]
     code = (
-        "from kvprefetchd.shard import shard_of;"
+        "from kvprefetchd.admit import shard_of;"
         f"print([shard_of(0, n, 7) for n in {names!r}])"
     )
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -60,20 +62,48 @@ def test_in_flight_collects_tickets_per_depth() -> None:
     assert len(flight) == 0
 
 
-def pending(replies: list[PendingRequest]) -> PendingRequest:
-    return PendingRequest(1, replies.append, started=0.0, deadline=None)
+def test_admit_confines_shards_and_drops_past_the_room() -> None:
+    roots = Roots(("/kv",), 4096)
+    paths: list[Any] = [f"/kv/{i}.bin" for i in range(10)] + ["/etc/passwd", "/kv/../x", 7]
+    room = [3, 100]
+    admission = admit(paths, roots, room)
+    assert room == [3, 100]  # pure: the caller's figures are not touched
+    assert admission.rejected == 3
+    assert [reason for _, reason in admission.refused] == [
+        "outside the allowed roots", "'..' component", "path is not a string",
+    ]
+    expected = [sum(1 for i in range(10) if shard_of(0, f"{i}.bin".encode(), 2) == w)
+                for w in (0, 1)]
+    assert len(admission.entries[0]) == min(3, expected[0])
+    assert len(admission.entries[1]) == expected[1]
+    assert admission.dropped == expected[0] - min(3, expected[0])
+    assert admission.accepted + admission.dropped + admission.rejected == len(paths)
+    for worker, share in enumerate(admission.entries):
+        for ticket, root, relative in share:
+            assert (ticket, root) == (0, 0) and shard_of(0, relative, 2) == worker
 
 
-def balanced(request: PendingRequest) -> bool:
+def entries(n: int) -> list[list[Any]]:
+    return [[0, 0, f"{i}.bin".encode()] for i in range(n)]
+
+
+def waiter() -> Waiter:
+    return Waiter(1, started=0.0, deadline=None)
+
+
+def balanced(request: Waiter) -> bool:
     return request.accepted == sum(request.outcome_map().values())
 
 
-def test_books_answer_a_request_once_its_last_file_settles() -> None:
+def test_books_complete_a_waiter_once_its_last_file_settles() -> None:
     books = Books(workers=2)
-    replies: list[PendingRequest] = []
-    request = pending(replies)
-    t1, t2 = books.issue(0, request), books.issue(1, request)
-    books.count_refused("dropped", request, 2)
+    request = waiter()
+    first, second = entries(1), entries(1)
+    books.issue(0, request, first)
+    books.issue(1, request, second)
+    (t1,), (t2,) = [e[0] for e in first], [e[0] for e in second]
+    assert t1 and t2 and t1 != t2  # real tickets written into the entries
+    books.count_refused(request, dropped=2, rejected=0)
     assert books.settle(0, t1, "read", 4096) is None
     assert books.settle(1, t2, "resident", 0) is request
     assert request.outcome_map()["read"] == 1 and request.dropped == 2
@@ -82,30 +112,36 @@ def test_books_answer_a_request_once_its_last_file_settles() -> None:
 
 def test_books_fail_a_dead_workers_files() -> None:
     books = Books(workers=2)
-    request = pending([])
-    tickets = [books.issue(0, request) for _ in range(3)] + [books.issue(1, request)]
-    books.settle(1, tickets[-1], "read", 1)
+    request = waiter()
+    mine, other = entries(3), entries(1)
+    books.issue(0, request, mine)
+    books.issue(1, request, other)
+    books.settle(1, other[0][0], "read", 1)
     assert books.fail_worker(0) == [request]
     assert request.outcome_map()["failed"] == 3 and balanced(request)
     assert books.outstanding(0) == 0
-    assert books.settle(0, tickets[0], "read", 1) is None  # a late answer changes nothing
+    assert books.settle(0, mine[0][0], "read", 1) is None  # a late answer changes nothing
 
 
 def test_books_expire_keeps_totals_honest() -> None:
     books = Books(workers=1)
-    request = pending([])
-    tickets = [books.issue(0, request) for _ in range(2)]
-    books.settle(0, tickets[0], "read", 10)
+    request = waiter()
+    files = entries(2)
+    books.issue(0, request, files)
+    books.settle(0, files[0][0], "read", 10)
     books.expire(request)
     request.answered = True
     assert request.outcome_map()["expired"] == 1 and balanced(request)
-    books.settle(0, tickets[1], "read", 10)
+    books.settle(0, files[1][0], "read", 10)
     assert books.totals["read"] == 2 and books.outstanding(0) == 0
+    assert books.waiters() == []
 
 
 def test_fire_and_forget_files_are_counted_without_tickets() -> None:
     books = Books(workers=2)
-    assert [books.issue(1, None) for _ in range(5)] == [0] * 5
+    files = entries(5)
+    books.issue(1, None, files)
+    assert [entry[0] for entry in files] == [0] * 5
     assert books.outstanding(1) == 5 and books.outstanding(0) == 0
     books.settle_anonymous(1, {"read": 2, "missing": 1}, 8192)
     assert books.outstanding(1) == 2

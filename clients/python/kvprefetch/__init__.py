@@ -1,5 +1,5 @@
 """Client for kvprefetchd, speaking only its wire protocol (never importing the daemon), so
-it stays honest about the contract in design/protocol.md."""
+it stays honest about the contract in docs/protocol.md."""
 
 from kvprefetch.aio import AsyncClient
 from kvprefetch.client import Client

@@ -25,6 +25,7 @@ from kvprefetch.errors import (
     Timeout,
 )
 from kvprefetch.protocol import MAX_FRAME_BYTES, PathLike, Reply, default_socket
+from kvprefetch.stats import Stats
 
 _RECV_CHUNK = 256 * 1024
 
@@ -264,5 +265,5 @@ class AsyncClient:
         """The block hashes and file paths a KV request maps to, without any I/O."""
         return results.parse_resolve(await self.call(protocol.resolve_request(kv_request)))
 
-    async def stats(self) -> dict[Any, Any]:
+    async def stats(self) -> Stats:
         return results.parse_stats(await self.call(protocol.stats_request()))

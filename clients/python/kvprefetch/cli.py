@@ -18,6 +18,7 @@ from kvprefetch.client import Client
 from kvprefetch.errors import ConnectFailed, KVPrefetchError, ServerError
 from kvprefetch.protocol import DEFAULT_SOCKET, Outcome, Path, wire_path
 from kvprefetch.results import PrefetchResult, merge_prefetch
+from kvprefetch.stats import Stats
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -183,11 +184,11 @@ def _describe_warm(out: dict[str, Any], args: argparse.Namespace) -> str:
     return line
 
 
-def _run_stats(client: Client, args: argparse.Namespace) -> dict[Any, Any]:
+def _run_stats(client: Client, args: argparse.Namespace) -> Stats:
     return client.stats()
 
 
-def _describe_stats(out: dict[Any, Any], args: argparse.Namespace) -> str:
+def _describe_stats(out: Stats, args: argparse.Namespace) -> str:
     return "\n".join(f"{key} {value}" for key, value in _flatten(out))
 
 

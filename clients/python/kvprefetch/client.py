@@ -20,6 +20,7 @@ from typing import Any
 from kvprefetch import protocol, results
 from kvprefetch.errors import ConnectFailed, ConnectionClosed, ProtocolError, Timeout
 from kvprefetch.protocol import MAX_FRAME_BYTES, PathLike, Reply, default_socket
+from kvprefetch.stats import Stats
 
 _RECV_CHUNK = 256 * 1024
 
@@ -311,5 +312,5 @@ class Client:
         """The block hashes and file paths a KV request maps to, without any I/O."""
         return results.parse_resolve(self.call(protocol.resolve_request(kv_request)))
 
-    def stats(self) -> dict[Any, Any]:
+    def stats(self) -> Stats:
         return results.parse_stats(self.call(protocol.stats_request()))

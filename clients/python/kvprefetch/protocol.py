@@ -1,4 +1,4 @@
-"""Wire protocol v1 of kvprefetchd, from the client's side (see design/protocol.md).
+"""Wire protocol v1 of kvprefetchd, from the client's side (see docs/protocol.md).
 
 Knows frames, request shapes and reply envelopes; knows nothing of sockets, so the sync and
 the asyncio clients share every byte-level decision made here.

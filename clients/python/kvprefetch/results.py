@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
 from kvprefetch.errors import ProtocolError
 from kvprefetch.protocol import Path, Reply
+from kvprefetch.stats import Stats
 
 T = TypeVar("T")
 
@@ -87,9 +88,10 @@ def parse_resolve(reply: Reply) -> ResolveResult:
     )
 
 
-def parse_stats(reply: Reply) -> dict[Any, Any]:
-    stats: dict[Any, Any] = _get(reply, "stats", dict)
-    return stats
+def parse_stats(reply: Reply) -> Stats:
+    """The `stats` map, typed by the schema of this version (kvprefetch.stats); only its
+    being a map is checked, so a daemon of another version still answers."""
+    return cast(Stats, _get(reply, "stats", dict))
 
 
 def merge_prefetch(results: Iterable[PrefetchResult]) -> PrefetchResult:

@@ -3,6 +3,7 @@
 Pure (no sockets, no processes; the only I/O is discovery's listing of root_dir):
 
     request  KV request map -> validated KVRequest          request.py
+    specs    the `hash` and `layout` maps, read key by key   specs.py
     profile  [models.NAME] / inline hash+layout -> Profile   profile.py
     hashing  tokens + extra keys -> vLLM block hashes        hashing.py
     layout   block hashes -> rank/group/file paths           layout.py

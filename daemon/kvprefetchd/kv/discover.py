@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvprefetch.stats import StaleProfile
 from kvprefetchd.kv import layout
 from kvprefetchd.kv.errors import DiscoveryError
 from kvprefetchd.kv.profile import Profile
@@ -332,12 +333,12 @@ class StaleDetector:
             return None
         return watch.siblings[0].fingerprint
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, StaleProfile]:
         """{profile: {...}} for the `stats` reply: plain strings, integers, booleans."""
-        out: dict[str, Any] = {}
+        out: dict[str, StaleProfile] = {}
         for name, watch in sorted(self._watches.items()):
             likely = self.likely_fingerprint(name)
-            entry: dict[str, Any] = {
+            entry: StaleProfile = {
                 "fingerprint": watch.fingerprint,
                 "missing": watch.missing,
                 "present": watch.present,

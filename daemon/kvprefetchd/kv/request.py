@@ -23,7 +23,8 @@ from typing import Any
 from kvprefetchd.kv import layout
 from kvprefetchd.kv.errors import KVRequestError
 from kvprefetchd.kv.hashing import BlockExtra, ExtraKey, LoRA, MMFeature, Prompt
-from kvprefetchd.kv.profile import FINGERPRINT_RE, Profile
+from kvprefetchd.kv.profile import Profile
+from kvprefetchd.kv.specs import FINGERPRINT_RE
 
 BLOCK_HASH_BYTES = 32  # sha256 and sha256_cbor
 MAX_EXTRA_KEY_DEPTH = 8
@@ -100,11 +101,7 @@ def parse_kv_request(
             raise KVRequestError("prompts: must be an array of prompt maps")
         if not raw:
             raise KVRequestError("prompts: must hold at least one prompt")
-        if len(raw) > limits.max_prompts:
-            raise KVRequestError(
-                f"prompts: {len(raw)} prompts, above the limit of {limits.max_prompts}",
-                code="too_large",
-            )
+        _at_most(len(raw), limits.max_prompts, "prompts", "prompts")
         _check_tokens(raw, limits)
         prompts = tuple(
             _prompt(item, f"prompts[{i}]", None, profile, limits) for i, item in enumerate(raw)
@@ -186,6 +183,14 @@ def _check_tokens(prompts: Sequence[Any], limits: Limits) -> None:
         raise KVRequestError(
             f"token_ids: {total} tokens in the request, above the limit of {limits.max_tokens}",
             code="too_large",
+        )
+
+
+def _at_most(count: int, limit: int, where: str, what: str) -> None:
+    """A count beyond its bound is `too_large`, naming the field and the limit."""
+    if count > limit:
+        raise KVRequestError(
+            f"{where}: {count} {what}, above the limit of {limit}", code="too_large"
         )
 
 
@@ -275,11 +280,7 @@ def _mm_features(value: Any, where: str, limits: Limits) -> tuple[MMFeature, ...
         return ()
     if not isinstance(value, list | tuple):
         raise KVRequestError(f"{where}: must be an array of {{identifier, offset, length}}")
-    if len(value) > limits.max_mm_features:
-        raise KVRequestError(
-            f"{where}: {len(value)} items, above the limit of {limits.max_mm_features}",
-            code="too_large",
-        )
+    _at_most(len(value), limits.max_mm_features, where, "items")
     features = []
     previous_end = 0
     for index, item in enumerate(value):
@@ -346,11 +347,7 @@ def _extra_key(value: Any, where: str, depth: int) -> ExtraKey:
 def _block_hashes(value: Any, limits: Limits) -> tuple[tuple[bytes, ...], ...]:
     if not isinstance(value, list | tuple) or not value:
         raise KVRequestError("block_hashes: must be a non-empty array (per prompt) of arrays")
-    if len(value) > limits.max_prompts:
-        raise KVRequestError(
-            f"block_hashes: {len(value)} prompts, above the limit of {limits.max_prompts}",
-            code="too_large",
-        )
+    _at_most(len(value), limits.max_prompts, "block_hashes", "prompts")
     chains = []
     total = 0
     for index, chain in enumerate(value):

@@ -1,0 +1,121 @@
+"""The schema of a `stats` reply: one set of types for the daemon that builds it, the
+Prometheus exposition that renders it, the CLI that prints it and the tests that fake it.
+
+It lives in the client package because the client is the wire contract's Python side and
+must not import the daemon; the daemon imports it from here. Every key is always present
+except the process figures, which psutil may fail to read for a process that just ended.
+docs/protocol.md ("The `stats` reply") describes each section.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class HistogramSnapshot(TypedDict):
+    """Fixed buckets: `counts` per bucket (NOT cumulative), one more than `buckets`, the last
+    counting what lies above every bound (Prometheus' +Inf)."""
+
+    buckets: list[float]
+    counts: list[int]
+    sum: float
+    count: int
+
+
+class ProcessFigures(TypedDict, total=False):
+    """What psutil reads of a process; empty when the process is already gone."""
+
+    rss_bytes: int
+    cpu_seconds: float
+    open_fds: int
+
+
+class SupervisorStats(ProcessFigures):
+    pid: int
+
+
+class WorkerStats(ProcessFigures):
+    index: int
+    pid: int
+    ready: bool
+    engine: str
+    queue_depth: int  # files outstanding on this worker
+    queue_limit: int  # beyond it new files are dropped
+    restarts: int
+    silent_s: float  # seconds without a report while owing outcomes (the heartbeat)
+    batches: int  # engine batches run since the worker started
+    batches_other_mode: int  # of those, batches in a model profile's other warm mode
+    dedup_recent: int  # files answered from the memory of heads warmed a moment ago
+    dedup_in_flight: int  # files that joined a read already queued or running
+
+
+class FileCounts(TypedDict):
+    """Files by fate, daemon-wide since start: accepted = read + resident + missing +
+    rejected + failed + in_flight (expired_replies counts answers, not fates)."""
+
+    accepted: int
+    dropped: int
+    rejected_by_supervisor: int
+    read: int
+    resident: int
+    missing: int
+    rejected: int
+    failed: int
+    expired_replies: int
+    in_flight: int
+
+
+class StaleProfile(TypedDict):
+    """A model profile whose files keep coming back `missing` (discover.StaleDetector)."""
+
+    fingerprint: str
+    missing: int
+    present: int
+    missing_streak: int
+    stale: bool
+    likely_fingerprint: str | None
+    sibling_fingerprints: list[str]
+    own_folder: bool | None
+    hint: str | None
+
+
+class KVStats(TypedDict):
+    profiles: list[str]
+    resolved_requests: int
+    resolve_ms_total: float
+    stale: dict[str, StaleProfile]
+
+
+class LatencyStats(TypedDict):
+    ack_seconds: dict[str, HistogramSnapshot]  # per op
+    wait_seconds: HistogramSnapshot
+    file_seconds: HistogramSnapshot
+
+
+class RootStats(TypedDict):
+    root: str
+    fstype: str
+    rule: str  # the residency rule: tier, pagecache or off
+    why: str
+
+
+class Stats(TypedDict):
+    uptime_s: float
+    version: str
+    engine: str
+    warm_mode: str
+    # "op:ok" or "op:error_CODE" -> count; op "none" for frames that never parsed.
+    requests: dict[str, int]
+    # Other counted events: reloads, reload_refused, connections_refused, peers_forbidden,
+    # accept_paused.
+    events: dict[str, int]
+    files: FileCounts
+    bytes_read: int
+    kv: KVStats
+    latency: LatencyStats
+    worker_restarts: int
+    workers_killed_wedged: int
+    supervisor: SupervisorStats
+    connections: int
+    roots: list[RootStats]
+    workers: list[WorkerStats]

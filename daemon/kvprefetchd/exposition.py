@@ -1,0 +1,299 @@
+"""The Prometheus text exposition (format 0.0.4) of a `stats` reply.
+
+Built with prometheus_client from a collector over a private registry, fed the very
+`Stats` the `stats` op returns: the page says exactly what the op says, with no second
+set of books to drift. Typed by the one stats schema (kvprefetch.stats), so a key the
+daemon stops producing fails mypy here instead of rendering nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvprefetch.stats import (
+    FileCounts,
+    HistogramSnapshot,
+    KVStats,
+    LatencyStats,
+    ProcessFigures,
+    Stats,
+    WorkerStats,
+)
+
+# The exposition format generate_latest() writes (prometheus_client 0.20+ also
+# knows 1.0.0, but 0.0.4 is what every scraper parses and what we emit).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+def render(stats: Stats) -> bytes:
+    """The text exposition of one `stats` reply."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats))
+    return generate_latest(registry)
+
+
+class StatsCollector(Collector):
+    """Turns one `Stats` into metric families (a fresh collector per scrape)."""
+
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        for family in itertools.chain(
+            _identity(stats),
+            _requests(stats["requests"], stats["events"]),
+            _files(stats["files"], stats),
+            _workers(stats["workers"]),
+            _kv(stats["kv"]),
+            _latency(stats["latency"]),
+        ):
+            if family.samples:  # a family with nothing to say is left out, not sent empty
+                yield family
+
+
+def _identity(stats: Stats) -> Iterator[Metric]:
+    build = InfoMetricFamily("kvprefetchd_build", "The daemon's version.")
+    build.add_metric([], {"version": stats["version"]})
+    yield build
+    engine = InfoMetricFamily(
+        "kvprefetchd_engine", "The I/O engine the workers run and the warm mode."
+    )
+    engine.add_metric([], {"engine": stats["engine"], "warm_mode": stats["warm_mode"]})
+    yield engine
+    yield GaugeMetricFamily(
+        "kvprefetchd_uptime_seconds", "Seconds since the supervisor started.",
+        value=stats["uptime_s"],
+    )
+    yield GaugeMetricFamily(
+        "kvprefetchd_connections", "Client connections open now.", value=stats["connections"]
+    )
+    roots = InfoMetricFamily(
+        "kvprefetchd_root", "An allowed root, its file system and its residency rule."
+    )
+    for root in stats["roots"]:
+        roots.add_metric([], {"root": root["root"], "fstype": root["fstype"], "rule": root["rule"]})
+    yield roots
+    yield from _process("kvprefetchd_supervisor", "The supervisor", [], [stats["supervisor"]])
+
+
+def _requests(requests: Mapping[str, int], events: Mapping[str, int]) -> Iterator[Metric]:
+    """{"op:ok" | "op:error_CODE": n} -> requests_total{op,result}; events -> events_total."""
+    family = CounterMetricFamily(
+        "kvprefetchd_requests",
+        "Requests by op and result (ok, or an error code; op none when the frame never "
+        "parsed, unknown when its op is not served).",
+        labels=["op", "result"],
+    )
+    for key, value in sorted(requests.items()):
+        op, _, result = key.partition(":")
+        family.add_metric([op, result.removeprefix("error_")], value)
+    yield family
+    other = CounterMetricFamily(
+        "kvprefetchd_events",
+        "Other counted events (reloads, refused connections and peers, paused accepts).",
+        labels=["event"],
+    )
+    for event, value in sorted(events.items()):
+        other.add_metric([event], value)
+    yield other
+
+
+def _files(files: FileCounts, stats: Stats) -> Iterator[Metric]:
+    outcomes = CounterMetricFamily(
+        "kvprefetchd_files",
+        "Files by outcome (protocol v1 outcomes; rejected counts the supervisor's and the "
+        "workers' refusals).",
+        labels=["outcome"],
+    )
+    # The supervisor's and the workers' refusals are both `rejected`, as the protocol counts.
+    by_outcome = {
+        "read": files["read"], "resident": files["resident"], "missing": files["missing"],
+        "rejected": files["rejected"] + files["rejected_by_supervisor"],
+        "failed": files["failed"], "dropped": files["dropped"],
+    }
+    for outcome, value in by_outcome.items():
+        outcomes.add_metric([outcome], value)
+    yield outcomes
+    yield _single("kvprefetchd_files_accepted", "Files queued to a worker.", "counter",
+                  files["accepted"])
+    yield _single("kvprefetchd_dropped", "Files dropped because their worker's queue was full.",
+                  "counter", files["dropped"])
+    yield _single(
+        "kvprefetchd_expired_replies",
+        "Wait requests answered at their timeout before every file had an outcome.", "counter",
+        files["expired_replies"],
+    )
+    yield _single("kvprefetchd_files_in_flight", "Files queued or being read now.", "gauge",
+                  files["in_flight"])
+    yield _single("kvprefetchd_bytes_read", "Bytes read to warm files.", "counter",
+                  stats["bytes_read"])
+    yield _single(
+        "kvprefetchd_worker_restarts",
+        "Workers respawned after dying or being killed as wedged.", "counter",
+        stats["worker_restarts"],
+    )
+    yield _single(
+        "kvprefetchd_workers_killed_wedged",
+        "Workers killed (and replaced) for owing outcomes and saying nothing for "
+        "worker_timeout.", "counter", stats["workers_killed_wedged"],
+    )
+
+
+def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
+    labels = [str(w["index"]) for w in workers]
+    depth = GaugeMetricFamily(
+        "kvprefetchd_queue_depth", "Files outstanding per worker.", labels=["worker"]
+    )
+    ready = GaugeMetricFamily(
+        "kvprefetchd_worker_ready", "1 once a worker has booted.", labels=["worker"]
+    )
+    batches = CounterMetricFamily(
+        "kvprefetchd_worker_batches", "Engine batches run, per worker (since it started).",
+        labels=["worker"],
+    )
+    silent = GaugeMetricFamily(
+        "kvprefetchd_worker_silent_seconds",
+        "Seconds since a worker that owes outcomes last reported (0 when it owes none); "
+        "at worker_timeout it is killed as wedged.",
+        labels=["worker"],
+    )
+    dedup = CounterMetricFamily(
+        "kvprefetchd_worker_dedup",
+        "Files skipped as duplicates, per worker (recent: warmed within dedup_ttl_ms; "
+        "in_flight: already being read).",
+        labels=["worker", "kind"],
+    )
+    for label, worker in zip(labels, workers, strict=True):
+        depth.add_metric([label], worker["queue_depth"])
+        ready.add_metric([label], float(worker["ready"]))
+        silent.add_metric([label], worker["silent_s"])
+        batches.add_metric([label], worker["batches"])
+        dedup.add_metric([label, "recent"], worker["dedup_recent"])
+        dedup.add_metric([label, "in_flight"], worker["dedup_in_flight"])
+    yield depth
+    if workers:
+        yield GaugeMetricFamily(
+            "kvprefetchd_queue_limit",
+            "Files a worker may have outstanding before new ones are dropped.",
+            value=max(w["queue_limit"] for w in workers),
+        )
+    yield ready
+    yield silent
+    yield batches
+    yield dedup
+    yield from _process("kvprefetchd_worker", "A worker", ["worker"], workers, labels)
+
+
+def _process(
+    prefix: str,
+    who: str,
+    label_names: list[str],
+    rows: Sequence[ProcessFigures],
+    label_values: Sequence[str] | None = None,
+) -> Iterator[Metric]:
+    """rss_bytes, cpu_seconds and open_fds (psutil figures) of one or more processes."""
+    rss = GaugeMetricFamily(
+        f"{prefix}_rss_bytes", f"{who}'s resident set size.", labels=label_names
+    )
+    cpu = CounterMetricFamily(
+        f"{prefix}_cpu_seconds", f"{who}'s user and system CPU time.", labels=label_names
+    )
+    fds = GaugeMetricFamily(
+        f"{prefix}_open_fds", f"{who}'s open file descriptors.", labels=label_names
+    )
+    values = label_values or [""] * len(rows)
+    for label, row in zip(values, rows, strict=True):
+        key = [label] if label_names else []
+        if "rss_bytes" in row:
+            rss.add_metric(key, row["rss_bytes"])
+        if "cpu_seconds" in row:
+            cpu.add_metric(key, row["cpu_seconds"])
+        if "open_fds" in row:
+            fds.add_metric(key, row["open_fds"])
+    for family in (rss, cpu, fds):
+        if family.samples:
+            yield family
+
+
+def _kv(kv: KVStats) -> Iterator[Metric]:
+    yield _single(
+        "kvprefetchd_kv_resolved_requests",
+        "KV requests (prefetch_blocks, resolve) mapped to paths.", "counter",
+        kv["resolved_requests"],
+    )
+    yield _single(
+        "kvprefetchd_kv_resolve_seconds",
+        "Time spent hashing and mapping KV requests to paths.", "counter",
+        kv["resolve_ms_total"] / 1e3,
+    )
+    stale = GaugeMetricFamily(
+        "kvprefetchd_kv_profile_stale",
+        "1 when a model profile's fingerprint looks stale (its files keep missing while "
+        "another folder of the model exists).",
+        labels=["profile"],
+    )
+    streak = GaugeMetricFamily(
+        "kvprefetchd_kv_profile_missing_streak",
+        "Consecutive missing files under a model profile's fingerprint.",
+        labels=["profile"],
+    )
+    for profile in sorted(set(kv["profiles"]) | set(kv["stale"])):
+        entry = kv["stale"].get(profile)
+        stale.add_metric([profile], 1.0 if entry is not None and entry["stale"] else 0.0)
+        if entry is not None:
+            streak.add_metric([profile], entry["missing_streak"])
+    yield stale
+    yield streak
+
+
+def _latency(latency: LatencyStats) -> Iterator[Metric]:
+    ack = HistogramMetricFamily(
+        "kvprefetchd_request_ack_seconds",
+        "Time from a request's frame to its acknowledgement being queued, per op.",
+        labels=["op"],
+    )
+    for op, snapshot in sorted(latency["ack_seconds"].items()):
+        _add_histogram(ack, [op], snapshot)
+    yield ack
+    wait = HistogramMetricFamily(
+        "kvprefetchd_wait_seconds",
+        "Elapsed time of wait requests, until every file had an outcome or the timeout.",
+    )
+    _add_histogram(wait, [], latency["wait_seconds"])
+    yield wait
+    files = HistogramMetricFamily(
+        "kvprefetchd_file_seconds", "Time from a file being queued to its outcome."
+    )
+    _add_histogram(files, [], latency["file_seconds"])
+    yield files
+
+
+def _single(name: str, doc: str, kind: str, value: float) -> Metric:
+    if kind == "counter":
+        return CounterMetricFamily(name, doc, value=value)
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _add_histogram(
+    family: HistogramMetricFamily, labels: list[str], snapshot: HistogramSnapshot
+) -> None:
+    """Prometheus' cumulative (le, count) pairs from a snapshot's per-bucket counts."""
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip([*snapshot["buckets"], math.inf], snapshot["counts"], strict=True):
+        running += n
+        # repr() is the shortest exact text ("0.0001", "1e-05"); Prometheus parses both.
+        buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), float(running)))
+    family.add_metric(labels, buckets, snapshot["sum"])

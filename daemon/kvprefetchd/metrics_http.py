@@ -1,0 +1,310 @@
+"""GET /metrics over HTTP/1.0, driven by the supervisor's own `selectors` loop.
+
+No threads (forking stays safe) and no http.server: each client is bounded (8 KiB of
+request header, 2 s from accept to close, at most 32 at once); anything but
+`GET|HEAD /metrics` gets 404/405/400/431 and is closed. The body is whatever the
+supervisor's callback renders (exposition.render of the current stats).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import selectors
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvprefetchd.config import MetricsAddress, parse_metrics_address
+from kvprefetchd.exposition import CONTENT_TYPE
+from kvprefetchd.server import ACCEPT_REST, accept_ready, listen_unix, out_of_fds
+
+log = logging.getLogger("kvprefetchd.metrics")
+
+
+def open_metrics_listener(
+    address: str | MetricsAddress, *, mode: int = 0o660, backlog: int = 64
+) -> socket.socket:
+    """A non-blocking listening socket for the `metrics` setting (port 0: any free port).
+
+    A Unix socket is bound like the main one (umask around bind, a stale file
+    replaced, a live one refused: kvprefetchd.server.listen_unix).
+    """
+    where = address if isinstance(address, MetricsAddress) else parse_metrics_address(address)
+    if where.family == socket.AF_UNIX:
+        return listen_unix(where.path, mode, backlog)
+    sock = socket.socket(where.family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((where.host, where.port))
+        sock.listen(backlog)
+    except OSError as error:
+        sock.close()
+        raise OSError(error.errno, error.strerror, f"metrics {where.host}:{where.port}") from error
+    sock.setblocking(False)
+    return sock
+
+
+MAX_HEADER_BYTES = 8 * 1024
+CLIENT_DEADLINE = 2.0  # seconds from accept to close, whatever the client does
+MAX_CLIENTS = 32
+_READING, _WRITING, _DRAINING = "reading", "writing", "draining"
+_REASONS = {
+    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error",
+}
+
+
+class _Client:
+    __slots__ = ("deadline", "handler", "inbound", "outbound", "sock", "state")
+
+    def __init__(self, server: MetricsServer, sock: socket.socket, deadline: float) -> None:
+        self.handler = functools.partial(server.on_client_event, self)
+        self.sock = sock
+        self.deadline = deadline
+        self.inbound = bytearray()
+        self.outbound = b""
+        self.state = _READING
+
+
+class MetricsServer:
+    """GET /metrics over HTTP/1.0, one response per connection, on the caller's selector.
+
+    Every selector key it registers carries a callback taking the ready events, as
+    every key of the supervisor's loop does. After the response it shuts its side
+    down and reads until the client closes (or the deadline), so unread request
+    bytes never turn the close into a reset that could cut the response short.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        get_body: Callable[[], bytes],
+        *,
+        unlink_path: str | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        deadline: float = CLIENT_DEADLINE,
+        max_clients: int = MAX_CLIENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        listener.setblocking(False)
+        self.listener = listener
+        self.get_body = get_body
+        self.unlink_path = unlink_path
+        self.max_header_bytes = max_header_bytes
+        self.deadline = deadline
+        self.max_clients = max_clients
+        self.clock = clock
+        self.selector: selectors.BaseSelector | None = None
+        self.clients: dict[int, _Client] = {}
+        self.counts = {"served": 0, "not_found": 0, "bad": 0, "refused": 0, "expired": 0}
+        self.resting_until: float | None = None  # out of fds: the listener is not watched
+        self.out_of_fds = False  # logged once per episode, not once per rest
+
+    @classmethod
+    def open(
+        cls, address: str | MetricsAddress, get_body: Callable[[], bytes], **options: Any
+    ) -> MetricsServer:
+        """Bind `address` (the `metrics` setting) and serve it; a Unix socket goes on close."""
+        where = address if isinstance(address, MetricsAddress) else parse_metrics_address(address)
+        listener = open_metrics_listener(where)
+        unlink = where.path if where.family == socket.AF_UNIX else None
+        return cls(listener, get_body, unlink_path=unlink, **options)
+
+    # -- the loop's side --
+
+    def attach(self, selector: selectors.BaseSelector) -> None:
+        self.selector = selector
+        selector.register(self.listener, selectors.EVENT_READ, self.on_listener_event)
+
+    def on_listener_event(self, _events: int) -> None:
+        self._accept()
+
+    def on_client_event(self, client: _Client, events: int) -> None:
+        if events & selectors.EVENT_READ:
+            self._read(client)
+        if events & selectors.EVENT_WRITE and client.state == _WRITING:
+            self._write(client)
+
+    def next_timeout(self, now: float) -> float | None:
+        """Seconds until the earliest client deadline or the end of a rest (None: neither)."""
+        dues = [c.deadline for c in self.clients.values()]
+        if self.resting_until is not None:
+            dues.append(self.resting_until)
+        return max(0.0, min(dues) - now) if dues else None
+
+    def expire(self, now: float) -> int:
+        """Close every client past its deadline (slow or silent ones); returns how many.
+
+        Also puts a resting listener (see _accept) back in the selector once its rest is over.
+        """
+        if self.resting_until is not None and now >= self.resting_until:
+            self.resting_until = None
+            if self.selector is not None:
+                self.selector.register(self.listener, selectors.EVENT_READ,
+                                       self.on_listener_event)
+        late = [c for c in self.clients.values() if c.deadline <= now]
+        for client in late:
+            if client.state != _DRAINING:
+                self.counts["expired"] += 1
+            self._close(client)
+        return len(late)
+
+    def close(self) -> None:
+        for client in list(self.clients.values()):
+            self._close(client)
+        if self.selector is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+        self.listener.close()
+        if self.unlink_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unlink_path)
+            self.unlink_path = None
+
+    # -- the work --
+
+    def _accept(self) -> None:
+        try:
+            self._accept_ready()
+        except OSError as error:
+            if not out_of_fds(error) or self.selector is None:
+                raise
+            # Rest instead of spinning on a listener that stays readable (server.ACCEPT_REST).
+            if not self.out_of_fds:
+                self.out_of_fds = True
+                log.warning("metrics: cannot accept connections: %s; pausing accept %.1f s",
+                            error.strerror, ACCEPT_REST)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+            self.resting_until = self.clock() + ACCEPT_REST
+            return
+        self.out_of_fds = False
+
+    def _accept_ready(self) -> None:
+        for sock in accept_ready(self.listener, "metrics"):
+            if len(self.clients) >= self.max_clients or self.selector is None:
+                self.counts["refused"] += 1
+                sock.close()
+                continue
+            client = _Client(self, sock, self.clock() + self.deadline)
+            self.clients[sock.fileno()] = client
+            self.selector.register(sock, selectors.EVENT_READ, client.handler)
+
+    def _read(self, client: _Client) -> None:
+        try:
+            data = client.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client closed (or reset): nothing more to say to it
+            self._close(client)
+            return
+        if client.state != _READING:
+            return  # draining (or a pipelined extra request): discarded
+        client.inbound += data
+        end = _header_end(client.inbound)
+        if end < 0:
+            if len(client.inbound) > self.max_header_bytes:
+                self._respond(client, 431, b"request header too large\n")
+            return
+        if end > self.max_header_bytes:
+            self._respond(client, 431, b"request header too large\n")
+            return
+        self._answer(client, bytes(client.inbound[:end]))
+
+    def _answer(self, client: _Client, head: bytes) -> None:
+        line = head.split(b"\n", 1)[0].rstrip(b"\r")
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            self.counts["bad"] += 1
+            self._respond(client, 400, b"bad request\n")
+            return
+        method, target = parts[0], parts[1]
+        if method not in (b"GET", b"HEAD"):
+            self.counts["bad"] += 1
+            self._respond(client, 405, b"only GET\n", extra=b"Allow: GET, HEAD\r\n")
+            return
+        # urlsplit copes with the query and with the absolute form (RFC 9112 3.2.2).
+        if urlsplit(target.decode("latin-1")).path != "/metrics":
+            self.counts["not_found"] += 1
+            self._respond(client, 404, b"not found: try /metrics\n")
+            return
+        try:
+            body = self.get_body()
+        except Exception:  # a bug in the figures must cost one scrape, never the daemon
+            log.exception("metrics: rendering failed")
+            self._respond(client, 500, b"rendering the metrics failed; see the daemon's log\n")
+            return
+        self.counts["served"] += 1
+        self._respond(
+            client, 200, body, content_type=CONTENT_TYPE.encode(), head_only=method == b"HEAD"
+        )
+
+    def _respond(
+        self,
+        client: _Client,
+        code: int,
+        body: bytes,
+        *,
+        content_type: bytes = b"text/plain; charset=utf-8",
+        extra: bytes = b"",
+        head_only: bool = False,
+    ) -> None:
+        header = (
+            b"HTTP/1.0 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+            b"Cache-Control: no-store\r\nConnection: close\r\n%s\r\n"
+            % (code, _REASONS[code].encode(), content_type, len(body), extra)
+        )
+        client.outbound = header if head_only else header + body
+        client.inbound.clear()
+        client.state = _WRITING
+        self._write(client)
+
+    def _write(self, client: _Client) -> None:
+        try:
+            sent = client.sock.send(client.outbound)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(client)
+            return
+        client.outbound = client.outbound[sent:]
+        if client.outbound:
+            self._watch(client, selectors.EVENT_WRITE)
+            return
+        # All sent: half-close, then wait for the client's EOF (bounded by the deadline).
+        client.state = _DRAINING
+        try:
+            client.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(client)
+            return
+        self._watch(client, selectors.EVENT_READ)
+
+    def _watch(self, client: _Client, events: int) -> None:
+        if self.selector is not None:
+            self.selector.modify(client.sock, events, client.handler)
+
+    def _close(self, client: _Client) -> None:
+        fd = client.sock.fileno()
+        if fd >= 0 and self.clients.get(fd) is client:
+            del self.clients[fd]
+            if self.selector is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(client.sock)
+        with contextlib.suppress(OSError):
+            client.sock.close()
+
+
+def _header_end(buffer: bytearray) -> int:
+    """Index just past the blank line ending the header, or -1 (CRLF or bare LF)."""
+    crlf = buffer.find(b"\r\n\r\n")
+    lf = buffer.find(b"\n\n")
+    ends = [i + n for i, n in ((crlf, 4), (lf, 2)) if i >= 0]
+    return min(ends) if ends else -1

@@ -1,0 +1,247 @@
+"""The ops: one handler per request op, and the one place a followed request is answered.
+
+`handle_frame` decodes a frame (protocol.py), looks its op up in a table and runs the
+handler; any RequestError becomes that error's reply and a bug costs one `internal`
+reply, never the daemon. The warm ops go: admit (confine, shard, room) -> ack ->
+the pool books and sends each worker its share; a `wait` (or a KV request, whose
+outcomes feed the stale-profile detector) is followed by a Waiter, answered in
+`answer` once its last file is settled or its deadline passes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import kvprefetchd
+from kvprefetch.stats import Stats
+from kvprefetchd.admit import admit
+from kvprefetchd.books import Books, ReplySink, Waiter
+from kvprefetchd.config import Config
+from kvprefetchd.confine import Roots
+from kvprefetchd.histogram import ACK_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
+from kvprefetchd.kvservice import KVService
+from kvprefetchd.pool import WorkerPool
+from kvprefetchd.protocol import (
+    INTERNAL,
+    OVERLOADED,
+    PROTOCOL_VERSION,
+    TOO_LARGE,
+    Limits,
+    Request,
+    RequestError,
+    WarmOptions,
+    decode_payload,
+    error_reply,
+    ok_reply,
+    parse_paths,
+    parse_request,
+    parse_warm_options,
+    request_id_of,
+)
+
+log = logging.getLogger("kvprefetchd")
+
+Handler = Callable[[ReplySink, Request], None]
+
+
+def request_limits(config: Config) -> Limits:
+    """What a peer may make the supervisor decode, from the (possibly reloaded) config."""
+    return Limits(
+        config.max_frame_bytes,
+        config.max_paths_per_request,
+        config.max_path_bytes,
+        config.max_tokens,
+        config.max_nesting_depth,
+    )
+
+
+class Ops:
+    def __init__(
+        self, config: Config, books: Books, pool: WorkerPool, kv: KVService,
+        stats: Callable[[], Stats],
+    ) -> None:
+        self.config = config
+        self.limits = request_limits(config)
+        self.roots = Roots(config.roots, config.max_path_bytes)
+        self.books = books
+        self.pool = pool
+        self.kv = kv
+        self.stats = stats
+        self.draining = False
+        self.requests: Counter[str] = Counter()  # "op:ok", "op:error_CODE"
+        self.ack_latency = Histograms(ACK_BUCKETS)
+        self.wait_latency = Histogram(WAIT_BUCKETS)
+        self._deadlines: list[tuple[float, int, Waiter]] = []
+        self._sequence = itertools.count()
+        self.handlers: dict[str, Handler] = {
+            "ping": self.ping,
+            "stats": self.stats_op,
+            "prefetch": self.prefetch,
+            "prefetch_blocks": self.prefetch_blocks,
+            "resolve": self.resolve,
+        }
+
+    def apply(self, config: Config) -> None:
+        """A reload: new limits and KV profiles for the next request."""
+        self.config = config
+        self.limits = request_limits(config)
+        self.kv.reconfigure(config)
+
+    # ---- frames ----------------------------------------------------------------------------
+
+    def handle_frame(self, connection: ReplySink, payload: bytes) -> None:
+        started = time.perf_counter()
+        op = "none"  # a label for requests whose op could not be read
+        request_id: int | None = None
+        try:
+            message = decode_payload(payload, self.limits)
+            request_id = request_id_of(message)
+            raw_op = message.get("op")
+            op = raw_op if isinstance(raw_op, str) and raw_op in self.handlers else "unknown"
+            request = parse_request(message)
+            if self.draining:
+                raise RequestError(OVERLOADED, "the daemon is shutting down", request_id)
+            self.handlers[request.op](connection, request)
+            self.requests[f"{op}:ok"] += 1
+        except RequestError as error:
+            self.requests[f"{op}:error_{error.code}"] += 1
+            rid = error.request_id if error.request_id is not None else request_id
+            connection.send(error_reply(rid, error.code, error.message))
+        except Exception as error:  # a bug must cost one reply, never the daemon
+            log.exception("internal error handling a request")
+            self.requests[f"{op}:error_{INTERNAL}"] += 1
+            connection.send(error_reply(request_id, INTERNAL, f"{type(error).__name__}: {error}"))
+        self.ack_latency.observe(op, time.perf_counter() - started)
+
+    # ---- the handlers ----------------------------------------------------------------------
+
+    def ping(self, connection: ReplySink, request: Request) -> None:
+        connection.send(ok_reply(
+            request.request_id,
+            version=kvprefetchd.__version__,
+            protocol=PROTOCOL_VERSION,
+            engine=self.pool.engine_name,
+            workers=len(self.pool.workers),
+        ))
+
+    def stats_op(self, connection: ReplySink, request: Request) -> None:
+        connection.send(ok_reply(request.request_id, stats=self.stats()))
+
+    def prefetch(self, connection: ReplySink, request: Request) -> None:
+        options = self.warm_options(request)
+        waiter = self.follow(connection, request, options)
+        self.warm(connection, request, parse_paths(request), options, waiter,
+                  self.config.warm_mode)
+
+    def prefetch_blocks(self, connection: ReplySink, request: Request) -> None:
+        options = self.warm_options(request)
+        profile, resolution = self.kv.resolve(request.body, request.request_id, for_prefetch=True)
+        # Followed even without `wait`: its outcomes feed the stale-profile detector.
+        waiter = self.follow(connection, request, options, force=True)
+        assert waiter is not None
+        waiter.profile, waiter.fingerprint = profile, resolution.fingerprint
+        waiter.reply_fields["files"] = len(resolution.paths)
+        mode = self.config.model_warm_modes.get(profile.name, self.config.warm_mode)
+        self.warm(connection, request, resolution.paths, options, waiter, mode)
+
+    def resolve(self, connection: ReplySink, request: Request) -> None:
+        _, resolution = self.kv.resolve(request.body, request.request_id, for_prefetch=False)
+        connection.send(ok_reply(
+            request.request_id,
+            block_hashes=resolution.block_hashes_hex(),
+            paths=resolution.paths,
+            fingerprint=resolution.fingerprint,
+        ))
+
+    # ---- warming ---------------------------------------------------------------------------
+
+    def warm_options(self, request: Request) -> WarmOptions:
+        return parse_warm_options(request, self.config.read_bytes, self.config.max_read_bytes)
+
+    def follow(
+        self, connection: ReplySink, request: Request, options: WarmOptions, *, force: bool = False
+    ) -> Waiter | None:
+        """A waiter for a request whose outcomes someone wants: its client (`wait`), or the
+        daemon itself (`force`); None for a plain fire-and-forget prefetch."""
+        if not (options.wait or force):
+            return None
+        now = time.monotonic()
+        timeout_ms = options.timeout_ms if options.wait else None
+        deadline = now + timeout_ms / 1000.0 if timeout_ms is not None else None
+        return Waiter(request.request_id, now, deadline,
+                      reply_to=connection if options.wait else None)
+
+    def warm(
+        self, connection: ReplySink, request: Request, paths: list[Any], options: WarmOptions,
+        waiter: Waiter | None, warm_mode: str,
+    ) -> None:
+        """Queue the files; ack now (fire and forget) or answer once they are settled."""
+        if len(paths) > self.config.max_paths_per_request:
+            raise RequestError(
+                TOO_LARGE,
+                f"paths: {len(paths)} exceeds the limit of {self.config.max_paths_per_request}",
+                request.request_id,
+            )
+        admission = admit(paths, self.roots, self.pool.room())
+        if admission.refused and log.isEnabledFor(logging.DEBUG):
+            for path, reason in admission.refused:
+                log.debug("rejected %r: %s", path, reason)
+        self.books.count_refused(waiter, dropped=admission.dropped, rejected=admission.rejected)
+        if not options.wait:
+            # The ack goes out before the workers hear of the files: once they wake they
+            # take both CPUs of a small host, and the caller must not wait behind them.
+            fields = waiter.reply_fields if waiter is not None else {}
+            connection.send(ok_reply(
+                request.request_id, accepted=admission.accepted, dropped=admission.dropped,
+                rejected=admission.rejected, **fields,
+            ))
+        self.pool.dispatch(admission.entries, waiter, options.read_bytes, warm_mode)
+        if waiter is None:
+            return
+        if waiter.outstanding == 0:
+            self.answer(waiter)
+        elif waiter.deadline is not None:
+            heapq.heappush(self._deadlines, (waiter.deadline, next(self._sequence), waiter))
+
+    def answer(self, waiter: Waiter) -> None:
+        """The one place a followed request ends: feed the stale detector, then reply."""
+        if waiter.answered:
+            return
+        waiter.answered = True
+        if waiter.profile is not None:
+            self.kv.record(waiter.profile, waiter.fingerprint, waiter.outcomes)
+        if waiter.reply_to is None:
+            return
+        elapsed = time.monotonic() - waiter.started
+        self.wait_latency.observe(elapsed)
+        waiter.reply_to.send(ok_reply(
+            waiter.request_id,
+            accepted=waiter.accepted,
+            dropped=waiter.dropped,
+            rejected=waiter.rejected,
+            outcomes=waiter.outcome_map(),
+            elapsed_us=int(elapsed * 1e6),
+            **waiter.reply_fields,
+        ))
+
+    # ---- deadlines -------------------------------------------------------------------------
+
+    def next_due(self, now: float) -> float | None:
+        return max(0.0, self._deadlines[0][0] - now) if self._deadlines else None
+
+    def expire(self, now: float) -> None:
+        """Answer every waiter whose deadline passed with what it has; the rest `expired`."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, waiter = heapq.heappop(self._deadlines)
+            self.expire_waiter(waiter)
+
+    def expire_waiter(self, waiter: Waiter) -> None:
+        if not waiter.answered:
+            self.books.expire(waiter)
+            self.answer(waiter)

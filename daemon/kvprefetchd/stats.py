@@ -1,0 +1,106 @@
+"""The `stats` reply, assembled in one place from the rooms that keep the figures.
+
+The schema is kvprefetch.stats (the client package's, so the CLI and the daemon read
+and write the same types); the `stats` op returns this, and the Prometheus exposition
+renders exactly this.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+
+import kvprefetchd
+from kvprefetch.stats import FileCounts, ProcessFigures, RootStats, Stats, WorkerStats
+from kvprefetchd.books import Books
+from kvprefetchd.kvservice import KVService
+from kvprefetchd.ops import Ops
+from kvprefetchd.pool import WorkerHandle, WorkerPool
+from kvprefetchd.residency import RootRule
+from kvprefetchd.server import Server
+
+
+def process_figures(pid: int) -> ProcessFigures:
+    """RSS, CPU seconds and open fds of a process (psutil); empty once it is gone."""
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            cpu = process.cpu_times()
+            return {
+                "rss_bytes": process.memory_info().rss,
+                "cpu_seconds": round(cpu.user + cpu.system, 3),
+                "open_fds": process.num_fds(),
+            }
+    except psutil.Error:
+        return {}
+
+
+def build_stats(
+    *, started: float, warm_mode: str, ops: Ops, pool: WorkerPool, books: Books,
+    server: Server, kv: KVService, rules: list[RootRule], events: dict[str, int],
+) -> Stats:
+    return {
+        "uptime_s": round(time.monotonic() - started, 3),
+        "version": kvprefetchd.__version__,
+        "engine": pool.engine_name,
+        "warm_mode": warm_mode,
+        "requests": dict(ops.requests),
+        "events": dict(events),
+        "files": file_counts(books),
+        "bytes_read": books.bytes_read,
+        "kv": kv.stats(),
+        "latency": {
+            "ack_seconds": ops.ack_latency.snapshot(),
+            "wait_seconds": ops.wait_latency.snapshot(),
+            "file_seconds": pool.file_latency.snapshot(),
+        },
+        "worker_restarts": pool.restarts,
+        "workers_killed_wedged": pool.killed_wedged,
+        "supervisor": {"pid": os.getpid(), **process_figures(os.getpid())},
+        "connections": len(server.connections),
+        "roots": [root_stats(rule) for rule in rules],
+        "workers": [worker_stats(handle, pool) for handle in pool.workers if handle],
+    }
+
+
+def file_counts(books: Books) -> FileCounts:
+    totals = books.totals
+    return {
+        "accepted": totals["accepted"],
+        "dropped": totals["dropped"],
+        "rejected_by_supervisor": totals["rejected_by_supervisor"],
+        "read": totals["read"],
+        "resident": totals["resident"],
+        "missing": totals["missing"],
+        "rejected": totals["rejected"],
+        "failed": totals["failed"],
+        "expired_replies": totals["expired_replies"],
+        "in_flight": books.in_flight(),
+    }
+
+
+def root_stats(rule: RootRule) -> RootStats:
+    return {"root": rule.root, "fstype": rule.fstype, "rule": rule.rule, "why": rule.why}
+
+
+def worker_stats(handle: WorkerHandle, pool: WorkerPool) -> WorkerStats:
+    owes = pool.books.outstanding(handle.index)
+    figures: WorkerStats = {
+        **process_figures(handle.pid),
+        "index": handle.index,
+        "pid": handle.pid,
+        "ready": handle.ready,
+        "engine": handle.engine,
+        "queue_depth": owes,
+        "queue_limit": pool.config.queue_limit,
+        "restarts": handle.restarts,
+        # The heartbeat, observable: seconds without a report while owing outcomes.
+        "silent_s": round(time.monotonic() - handle.heard, 3) if owes else 0.0,
+        "batches": handle.counters["batches"],
+        "batches_other_mode": handle.counters["batches_other_mode"],
+        "dedup_recent": handle.counters["dedup_recent"],
+        "dedup_in_flight": handle.counters["dedup_in_flight"],
+    }
+    return figures
