@@ -6,12 +6,12 @@ queue them, answer. No I/O is waited for, so the paths need not exist: they are
 laid out as the fs connector would write them under the daemon's root, and the
 workers settle them as `missing` in the background.
 
-The floor is an echo server in its own process (this file, --serve-echo): the same
-framing, a selector loop like the supervisor's, msgpack decode of the request and a
-small reply with the same counts. daemon/echo is what the daemon's own work costs
-on top of Python + a Unix socket + msgpack.
+The floor is an echo server in its own process (echo_floor.py): the same framing, a
+selector loop like the supervisor's, msgpack decode of the request and a small reply
+with the same counts. daemon/echo is what the daemon's own work costs on top of
+Python + a Unix socket + msgpack.
 
-Both are measured with the raw speaker (bench/kvproto.py) and with the `kvprefetch`
+Both are measured with the raw speaker (kvharness.wire) and with the `kvprefetch`
 sync client, closed loop, one request in flight. Sizes run one after another; in each,
 the (target, client) pairs take turns in shuffled blocks so drift hits all alike. Two
 modes, because on a small machine the workers compete with the supervisor for CPU:
@@ -26,181 +26,37 @@ queue_limit is raised so a backlog never drops a file, and every ack is checked 
 dropped == 0.
 
     .venv/bin/python bench/ack_latency.py --out bench/out/ack
+
+This file is the command line, the run and its report; ack_measure.py sends and
+times, echo_floor.py is the floor.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import json
-import math
 import os
-import platform
 import random
-import selectors
 import shutil
 import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import msgpack
+import machine
 import psutil
+from ack_measure import SENDERS, Blocks, apply_worker_sched, drain, fake_paths, summarize
+from echo_floor import serve_echo, start_echo, stop_echo
+from machine import busy_cpu_seconds
+from warmup_daemon import start_engine_daemon
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import kvproto
-from warmup import Daemon, busy_cpu_seconds, start_daemon
+from kvharness.wire import RawConnection
 
 DEFAULT_SIZES = "1,100,1000"
 DEFAULT_REQUESTS = "2000,1000,1000"
-
-
-# ---- the echo floor -----------------------------------------------------------------------
-
-
-def serve_echo(path: str) -> None:
-    """Answer every frame with {id, ok, accepted, dropped, rejected}: framing + msgpack only."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    listener.setblocking(False)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    buffers: dict[socket.socket, bytearray] = {}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:
-        for key, _ in selector.select():
-            if key.fileobj is listener:
-                conn, _ = listener.accept()
-                conn.setblocking(False)
-                selector.register(conn, selectors.EVENT_READ)
-                buffers[conn] = bytearray()
-                continue
-            conn = cast(socket.socket, key.fileobj)
-            try:
-                data = conn.recv(256 * 1024)
-            except BlockingIOError:
-                continue
-            if not data:
-                selector.unregister(conn)
-                conn.close()
-                del buffers[conn]
-                continue
-            buf = buffers[conn]
-            buf += data
-            out = bytearray()
-            while len(buf) >= 4:
-                (length,) = kvproto.HEADER.unpack_from(buf)
-                if len(buf) < 4 + length:
-                    break
-                message = msgpack.unpackb(bytes(buf[4 : 4 + length]), raw=False)
-                del buf[: 4 + length]
-                paths = message.get("paths") or []
-                out += kvproto.pack_frame({"id": message.get("id"), "ok": True,
-                                           "accepted": len(paths), "dropped": 0, "rejected": 0})
-            if out:
-                conn.setblocking(True)  # replies are small: block rather than buffer
-                conn.sendall(out)
-                conn.setblocking(False)
-
-
-def start_echo(path: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, __file__, "--serve-echo", path],
-                               start_new_session=True)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(path):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the echo server did not start")
-        time.sleep(0.01)
-    return process
-
-
-# ---- measuring ----------------------------------------------------------------------------
-
-
-def fake_paths(root: Path, count: int, seed: int) -> list[str]:
-    """Paths in the fs connector's layout under root that do not exist (nothing to read)."""
-    base = root / "Qwen_Qwen3-8B_000000000000_r0"
-    out = []
-    for index in range(count):
-        h = hashlib.sha256(f"ack:{seed}:{index}".encode()).hexdigest()
-        out.append(str(base / h[0:3] / f"{h[3:5]}_g0" / f"{h}.bin"))
-    return out
-
-
-Sender = Callable[[list[str]], dict[str, int]]
-
-
-def raw_sender(sock: str) -> tuple[Sender, Callable[[], None]]:
-    client = kvproto.RawClient(sock, timeout=30)
-
-    def send(paths: list[str]) -> dict[str, int]:
-        reply = client.call("prefetch", paths=paths)
-        return {"accepted": reply["accepted"], "dropped": reply["dropped"]}
-
-    return send, client.close
-
-
-def kvprefetch_sender(sock: str) -> tuple[Sender, Callable[[], None]]:
-    from kvprefetch import Client
-
-    client = Client(sock, timeout=30)
-
-    def send(paths: list[str]) -> dict[str, int]:
-        ack = client.prefetch(paths)
-        return {"accepted": ack.accepted, "dropped": ack.dropped}
-
-    return send, client.close
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (no interpolation: p999 of 1000 samples is the maximum)."""
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-CDF_POINTS = (*range(0, 100, 2), 99, 99.5, 99.9, 100)
-
-
-def summarize(samples_ns: list[int]) -> dict[str, Any]:
-    """Percentiles, and the CDF at CDF_POINTS (percent -> µs) for plots."""
-    us = sorted(s / 1000 for s in samples_ns)
-    return {"n": len(us), "p50_us": percentile(us, 0.50), "p99_us": percentile(us, 0.99),
-            "p999_us": percentile(us, 0.999), "mean_us": statistics.fmean(us),
-            "max_us": us[-1],
-            "cdf_us": [[q, round(percentile(us, q / 100) if q else us[0], 1)]
-                       for q in CDF_POINTS]}
-
-
-def drain(daemon: Daemon, limit: float = 120.0) -> float:
-    """Wait until the daemon has settled every queued file; returns the seconds waited."""
-    started = time.monotonic()
-    while daemon.stats()["files"]["in_flight"] > 0:
-        if time.monotonic() - started > limit:
-            raise RuntimeError(f"the daemon did not drain its queues in {limit:.0f} s")
-        time.sleep(0.02)
-    return time.monotonic() - started
-
-
-def apply_worker_sched(daemon: Daemon, policy: str) -> None:
-    """An experiment, not a daemon setting: how much of the ack's cost is the workers
-    preempting the supervisor? SCHED_BATCH tasks never preempt on wake-up (sched(7));
-    nice 10 gives them a smaller CPU share."""
-    for pid in daemon.worker_pids:
-        if policy == "batch":
-            os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
-        elif policy == "nice10":
-            os.setpriority(os.PRIO_PROCESS, pid, 10)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -235,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the daemons we started are stopped, not orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.serve_echo:
+    if args.serve_echo:  # the floor alone (echo_floor.py SOCKET does the same)
         serve_echo(args.serve_echo)
         return 0
     out = run(args)
@@ -264,20 +120,16 @@ def run(args: argparse.Namespace,
     args.base.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="kvack-"))
     root = Path(tempfile.mkdtemp(prefix="ack-root-", dir=args.base))
-    pool = fake_paths(root, max(sizes) * 10, args.seed)
     # The most a block can leave queued: drained before each block, never dropped.
     backlog = (args.warmup + max(counts)) * max(sizes)
-    daemon = start_daemon(args.engine, root, 1 << 20, backlog, args.workers, workdir, args.out)
+    daemon = start_engine_daemon(args.engine, root, 1 << 20, backlog, args.workers, workdir,
+                                 args.out)
     apply_worker_sched(daemon, args.worker_sched)
     echo_sock = str(workdir / "echo.sock")
     echo = start_echo(echo_sock)
-    makers = {"raw": raw_sender, "kvprefetch": kvprefetch_sender}
     targets = {"daemon": daemon.socket, "echo": echo_sock}
-    rng = random.Random(args.seed)
     modes = [m for m in args.modes.split(",") if m]
     results: dict[str, Any] = {mode: {} for mode in modes}
-    dropped = 0
-    drained_s = 0.0
     cpu0 = daemon.cpu()
     started = time.time()
     echo_process = psutil.Process(echo.pid)
@@ -291,84 +143,48 @@ def run(args: argparse.Namespace,
         return float(total)
 
     try:
-        senders = {(t, c): makers[c](sock) for t, sock in targets.items() for c in clients}
-        poller = kvproto.RawClient(daemon.socket, timeout=30)
+        made = {(t, c): SENDERS[c](sock) for t, sock in targets.items() for c in clients}
+        poller = RawConnection(daemon.socket, timeout=30)
 
         def idle_now() -> None:
-            while poller.call("stats")["stats"]["files"]["in_flight"] > 0:
+            while poller.call_ok("stats")["stats"]["files"]["in_flight"] > 0:
                 time.sleep(0.0005)
 
+        blocks = Blocks({pair: send for pair, (send, _) in made.items()}, daemon,
+                        fake_paths(root, max(sizes) * 10, args.seed), args.warmup,
+                        args.idle_gap, idle_now, random.Random(args.seed))
         for mode in modes:
             for size, count in zip(sizes, counts, strict=True):
                 wall0, busy0, own0 = time.monotonic(), busy_cpu_seconds(), own_cpu()
-                samples: dict[tuple[str, str], list[int]] = {pair: [] for pair in senders}
-                cursor = 0
-                per_block = [count // args.blocks + (i < count % args.blocks)
-                             for i in range(args.blocks)]
-                for block in per_block:
-                    order = list(senders)
-                    rng.shuffle(order)
-                    for pair in order:
-                        send = senders[pair][0]
-                        drained_s += drain(daemon)
-                        for index in range(args.warmup + block):
-                            batch = [pool[(cursor + k) % len(pool)] for k in range(size)]
-                            cursor += size
-                            if mode == "idle":
-                                idle_now()  # the daemon's workers asleep, for either target
-                                time.sleep(args.idle_gap)  # and so is the target itself
-                            t0 = time.perf_counter_ns()
-                            ack = send(batch)
-                            elapsed = time.perf_counter_ns() - t0
-                            if ack["accepted"] + ack["dropped"] != size:
-                                raise RuntimeError(f"{pair}: ack {ack} for {size} paths")
-                            dropped += ack["dropped"]
-                            if index >= args.warmup:
-                                samples[pair].append(elapsed)
+                samples = blocks.run(mode, size, count, args.blocks)
                 wall = time.monotonic() - wall0
                 foreign = max(0.0, busy_cpu_seconds() - busy0 - (own_cpu() - own0))
-                entry: dict[str, Any] = {
-                    "requests": count,
-                    # CPU that other processes took meanwhile, as a share of the machine
-                    "foreign_cpu_share": round(foreign / (wall * (os.cpu_count() or 1)), 3),
-                }
-                for (target, client), values in samples.items():
-                    entry.setdefault(client, {})[target] = summarize(values)
-                for client in clients:
-                    d, e = entry[client]["daemon"], entry[client]["echo"]
-                    entry[client]["ratio_daemon_to_echo"] = {
-                        k: d[k] / e[k] for k in ("p50_us", "p99_us", "p999_us")}
-                results[mode][str(size)] = entry
+                results[mode][str(size)] = size_entry(samples, clients, count, foreign, wall)
                 if on_step is not None:
                     on_step(mode, size)
                 else:
                     print(f"{mode}: {size} paths done", file=sys.stderr)
         poller.close()
-        drained_s += drain(daemon)
+        blocks.drained_s += drain(daemon)
         cpu1 = daemon.cpu()
         stats = daemon.stats()
-        for _, close in senders.values():
+        for _, close in made.values():
             close()
     finally:
         daemon.stop()
-        echo.send_signal(signal.SIGTERM)
-        echo.wait(5)
+        stop_echo(echo)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
 
-    out: dict[str, Any] = {
-        "benchmark": "ack_latency",
-        "argv": sys.argv,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "seconds": round(time.time() - started, 1),
-        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(),
-                    "loadavg_at_start": os.getloadavg()},
+    return {
+        **machine.run_header("ack_latency", started),
+        "machine": machine.description(),
         "daemon": {"engine": args.engine, "workers": args.workers,
                    "worker_sched": args.worker_sched,
-                   "dropped": dropped, "files": stats["files"],
+                   "dropped": blocks.dropped, "files": stats["files"],
                    "workers_cpu_s": round(cpu1[0] - cpu0[0], 3),
                    "supervisor_cpu_s": round(cpu1[1] - cpu0[1], 3),
-                   "drained_between_blocks_s": round(drained_s, 3)},
+                   "drained_between_blocks_s": round(blocks.drained_s, 3)},
         "floor": "echo server: same framing, selector loop, msgpack decode, small reply",
         "percentiles": "nearest rank, microseconds, send start to reply parsed",
         "clients": clients,
@@ -381,7 +197,23 @@ def run(args: argparse.Namespace,
                    "sizes": results[mode]}
             for mode in modes},
     }
-    return out
+
+
+def size_entry(samples: dict[tuple[str, str], list[int]], clients: Sequence[str], count: int,
+               foreign: float, wall: float) -> dict[str, Any]:
+    """One size's figures: per client and target, and the daemon/echo ratios."""
+    entry: dict[str, Any] = {
+        "requests": count,
+        # CPU that other processes took meanwhile, as a share of the machine
+        "foreign_cpu_share": round(foreign / (wall * (os.cpu_count() or 1)), 3),
+    }
+    for (target, client), values in samples.items():
+        entry.setdefault(client, {})[target] = summarize(values)
+    for client in clients:
+        d, e = entry[client]["daemon"], entry[client]["echo"]
+        entry[client]["ratio_daemon_to_echo"] = {
+            k: d[k] / e[k] for k in ("p50_us", "p99_us", "p999_us")}
+    return entry
 
 
 def table(out: dict[str, Any]) -> str:

@@ -27,45 +27,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import datasets
+
+from kvharness import pagecache
 
 DEFAULT_SETTLE = 4.0
 DEFAULT_SAMPLE = 256
 # A set is "cold" when at most this fraction of the sampled bytes is still cached.
 # Not 0: a page under writeback or mapped by someone else survives a drop.
 COLD_FRACTION = 0.001
-
-
-def _native() -> Any:
-    from kvprefetchd._native import lib
-
-    return lib
-
-
-def resident_bytes(path: str, offset: int = 0, length: int | None = None,
-                   uptodate: bool = False) -> tuple[int, int]:
-    """(resident bytes of [offset, offset+length), file size). length None: to EOF.
-
-    uptodate=False uses cachestat when the kernel has it: one syscall, no mmap, and it
-    counts pages still being read, which is right right after a warm-up that finished.
-    uptodate=True forces mincore (only pages whose read completed). mincore reports
-    page-cache state only for files the caller could open for writing (Linux 5.2+,
-    commit 134fca9063ad), which holds for root and for the files' owner.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        want = size - offset if length is None else min(length, max(0, size - offset))
-        if want <= 0:
-            return 0, size
-        result = int(_native().kvp_resident_bytes(fd, offset, want, 1 if uptodate else 0))
-    finally:
-        os.close(fd)
-    if result < 0:
-        raise OSError(-result, os.strerror(-result), path)
-    return min(result, want), size
 
 
 def sample(paths: Sequence[str], count: int, seed: int = 0) -> list[str]:
@@ -79,7 +49,7 @@ def residency(paths: Sequence[str]) -> dict[str, int]:
     """Whole-file residency summed over paths: {'files', 'bytes', 'resident'}."""
     total = cached = 0
     for path in paths:
-        resident, size = resident_bytes(path)
+        resident, size = pagecache.residency(path)
         total += size
         cached += resident
     return {"files": len(paths), "bytes": total, "resident": cached}
@@ -96,13 +66,13 @@ def drop_caches() -> None:
 
 
 def evict(paths: Sequence[str]) -> None:
-    """DONTNEED every file: the unprivileged way; dentries and inodes stay cached."""
+    """DONTNEED every file: the unprivileged way; dentries and inodes stay cached.
+
+    No fdatasync per file (it may cost a disk flush each, on 20,000 files): a page
+    still dirty survives DONTNEED, and make_cold's verification then says so.
+    """
     for path in paths:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        pagecache.evict(path, sync=False)
 
 
 def can_drop() -> bool:

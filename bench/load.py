@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import signal
 import sys
@@ -28,12 +26,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import datasets
-import kvproto
 import loadgen
-from warmup import Daemon, start_daemon
+import machine
+from warmup_daemon import EngineDaemon, start_engine_daemon
+
+from kvharness.wire import RawConnection
 
 SETTLED = ("read", "resident", "missing", "rejected", "failed")
 
@@ -67,16 +65,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ds = datasets.dataset(args.dataset, args.seed, args.base)
     paths = datasets.ensure(ds, quiet=True)
     workdir = Path(tempfile.mkdtemp(prefix="kvload-"))
-    daemon: Daemon | None = None
+    daemon: EngineDaemon | None = None
     try:
         if args.socket:
             socket_path = args.socket
         else:  # queues as deep as the default's: a burst may drop (and count) files
-            daemon = start_daemon(args.engine, ds.root, 64 << 10, 0, args.workers, workdir,
-                                  args.out)
+            daemon = start_engine_daemon(args.engine, ds.root, 64 << 10, 0, args.workers,
+                                         workdir, args.out)
             socket_path = daemon.socket
-        with kvproto.RawClient(socket_path, timeout=30) as raw:
-            before = raw.call("stats")["stats"]
+        with RawConnection(socket_path) as raw:
+            before = raw.call_ok("stats")["stats"]
         result = loadgen.run_load(socket_path, args.clients, args.requests_per_client,
                                   paths=paths, layout=loadgen.blocks_layout(ds),
                                   pipeline=args.pipeline, seed=args.seed)
@@ -95,8 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{args.pipeline} request(s) in flight: a seeded mix of small fire-and-forget "
                 "prefetch (1-64 files), prefetch_blocks and ping",
         "argv": sys.argv,
-        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(),
-                    "loadavg_at_start": os.getloadavg()},
+        "machine": machine.description(),
         "settings": {"clients": args.clients, "requests_per_client": args.requests_per_client,
                      "pipeline": args.pipeline, "engine": args.engine, "workers": args.workers,
                      "mix": loadgen.DEFAULT_MIX, "dataset": ds.name, "seed": args.seed,

@@ -26,16 +26,12 @@ requests while sampling the daemon's memory and fds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
 import platform
 import random
-import signal
 import socket
-import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,13 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import datasets
+from percentiles import cdf, nearest_rank
 
-HEADER = struct.Struct(">I")
+from kvharness.daemon import Daemon, start_config
+from kvharness.wire import FrameSplitter, RawConnection, pack, unpack
+
 DEFAULT_MIX = {"prefetch": 0.90, "prefetch_blocks": 0.05, "ping": 0.05}
 BLOCK_SIZE = 16  # tokens per vLLM block in the inline profile prefetch_blocks uses
 
@@ -112,8 +107,7 @@ def _request(plan: ClientPlan, rng: random.Random, ops: Sequence[str],
         first = rng.randrange(1 << 20)
         body.update(plan.blocks_layout)
         body["prompts"] = [{"token_ids": list(range(first, first + tokens))}]
-    data = msgpack.packb(body, use_bin_type=True)
-    return op, HEADER.pack(len(data)) + data
+    return op, pack(body)
 
 
 def run_client(plan: ClientPlan) -> ClientResult:
@@ -127,7 +121,7 @@ def run_client(plan: ClientPlan) -> ClientResult:
     answered_ops: Counter[str] = Counter()
     files: Counter[str] = Counter()
     in_flight: dict[int, tuple[str, float]] = {}
-    buffer = bytearray()
+    frames = FrameSplitter()
     started = time.perf_counter()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(plan.idle_timeout)
@@ -145,14 +139,8 @@ def run_client(plan: ClientPlan) -> ClientResult:
             if not data:
                 raise ConnectionError("the daemon closed the connection")
             now = time.perf_counter()
-            buffer += data
-            while len(buffer) >= HEADER.size:
-                (length,) = HEADER.unpack_from(buffer)
-                if len(buffer) < HEADER.size + length:
-                    break
-                reply = msgpack.unpackb(bytes(buffer[HEADER.size:HEADER.size + length]),
-                                        raw=False)
-                del buffer[:HEADER.size + length]
+            for body in frames.bodies(data):
+                reply = unpack(body)
                 sent_op, sent_at = in_flight.pop(reply.get("id"), ("?", now))
                 result.answered += 1
                 latencies.setdefault(sent_op, array("d")).append((now - sent_at) * 1e3)
@@ -172,24 +160,12 @@ def run_client(plan: ClientPlan) -> ClientResult:
     return result
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]) of an ascending list; None when empty."""
-    if not sorted_values:
-        return None
-    rank = max(1, min(len(sorted_values), round(q / 100 * len(sorted_values) + 0.5)))
-    return float(sorted_values[rank - 1])
-
-
-CDF_POINTS = (*range(0, 100, 2), 99, 99.5, 99.9, 100)  # percent: enough for a plot
-
-
 def latency_summary(values: Sequence[float]) -> dict[str, Any]:
     ordered = sorted(values)
-    return {"count": len(ordered), "p50": percentile(ordered, 50), "p99": percentile(ordered, 99),
-            "p999": percentile(ordered, 99.9), "max": ordered[-1] if ordered else None,
-            "mean": sum(ordered) / len(ordered) if ordered else None,
-            "cdf": [[q, ordered[0] if q == 0 else percentile(ordered, q)] for q in CDF_POINTS]
-            if ordered else []}
+    return {"count": len(ordered), "p50": nearest_rank(ordered, 50),
+            "p99": nearest_rank(ordered, 99), "p999": nearest_rank(ordered, 99.9),
+            "max": ordered[-1] if ordered else None,
+            "mean": sum(ordered) / len(ordered) if ordered else None, "cdf": cdf(ordered)}
 
 
 class LoadRun:
@@ -285,79 +261,19 @@ def run_load(socket_path: str, clients: int = 8, requests_per_client: int = 10_0
 # ---- a daemon of our own (when no --socket is given) --------------------------------------
 
 
-@dataclass
-class OwnDaemon:
-    process: subprocess.Popen[bytes]
-    socket_path: str
-    log: Path
-
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = call(self.socket_path, "stats")["stats"]
-        return stats
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
-def call(socket_path: str, op: str, **fields: Any) -> dict[str, Any]:
-    """One request on a fresh connection (for stats and readiness)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(30)
-        sock.connect(socket_path)
-        data = msgpack.packb({"v": 1, "id": 1, "op": op, **fields}, use_bin_type=True)
-        sock.sendall(HEADER.pack(len(data)) + data)
-        buffer = b""
-        while len(buffer) < HEADER.size or len(buffer) < HEADER.size + HEADER.unpack_from(
-                buffer)[0]:
-            chunk = sock.recv(1 << 20)
-            if not chunk:
-                raise ConnectionError("the daemon closed the connection")
-            buffer += chunk
-        reply: dict[str, Any] = msgpack.unpackb(buffer[HEADER.size:], raw=False)
-        return reply
-
-
-def start_daemon(root: Path, workdir: Path, *, workers: int = 2, engine: str = "auto",
-                 config: Mapping[str, Any] | None = None) -> OwnDaemon:
-    """kvprefetchd on root, logging at warning, with a socket in workdir."""
+def own_daemon(root: Path, workdir: Path, workers: int = 2) -> Daemon:
+    """kvprefetchd on root (engine auto), logging at warning, its socket in workdir."""
     workdir.mkdir(parents=True, exist_ok=True)
-    sock = workdir / "kvprefetchd.sock"
-    lines = [f'socket = "{sock}"', f'roots = ["{root}"]', f"workers = {workers}",
-             f'engine = "{engine}"', 'log_level = "warning"']
-    lines += [f"{key} = {json.dumps(value)}" for key, value in (config or {}).items()]
-    config_path = workdir / "kvprefetchd.toml"
-    config_path.write_text("\n".join(lines) + "\n")
-    log = workdir / "daemon.log"
-    with open(log, "wb") as handle:
-        process = subprocess.Popen([sys.executable, "-m", "kvprefetchd", "--config",
-                                    str(config_path)], stdout=handle,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    daemon = OwnDaemon(process, str(sock), log)
-    deadline = time.monotonic() + 30
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"kvprefetchd exited: {log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError):
-            if call(str(sock), "ping").get("ok"):
-                return daemon
-        if time.monotonic() > deadline:
-            daemon.stop()
-            raise RuntimeError("kvprefetchd did not answer within 30 s")
-        time.sleep(0.05)
+    return start_config(workdir, {"roots": [str(root)], "workers": workers, "engine": "auto"},
+                        log_path=workdir / "daemon.log", new_session=True)
 
 
 def settle(socket_path: str, timeout: float = 120.0) -> dict[str, Any]:
     """Wait until the workers have settled every accepted file; the stats then."""
     deadline = time.monotonic() + timeout
     while True:
-        stats: dict[str, Any] = call(socket_path, "stats")["stats"]
+        with RawConnection(socket_path) as connection:
+            stats: dict[str, Any] = connection.call_ok("stats")["stats"]
         if stats["files"]["in_flight"] == 0 or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
@@ -397,11 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lo, _, hi = args.paths.partition("-")
     ds = datasets.dataset(args.dataset, base=args.base)
     paths = datasets.ensure(ds)
-    daemon: OwnDaemon | None = None
+    daemon: Daemon | None = None
     workdir = Path(tempfile.mkdtemp(prefix="kvload-"))
     socket_path = args.socket
     if socket_path is None:
-        daemon = start_daemon(ds.root, workdir, workers=args.workers)
+        daemon = own_daemon(ds.root, workdir, args.workers)
         socket_path = daemon.socket_path
     try:
         result = run_load(socket_path, args.clients, args.requests, (int(lo), int(hi or lo)),

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,13 +37,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import datasets
 import loadgen
+import psutil
+
+from kvharness.daemon import Daemon
+from kvharness.wire import RawConnection
 
 BAND = 0.05  # +-5% of the first sample after warm-up
 
@@ -54,25 +52,11 @@ class Sampler:
     (a connection per sample would flicker: closed or not yet, when psutil counts)."""
 
     def __init__(self, socket_path: str, started: float) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(socket_path)
+        self.connection = RawConnection(socket_path, timeout=60)
         self.started = started
-        self.buffer = b""
 
     def stats(self) -> dict[str, Any]:
-        data = msgpack.packb({"v": 1, "id": 1, "op": "stats"}, use_bin_type=True)
-        self.sock.sendall(loadgen.HEADER.pack(len(data)) + data)
-        while len(self.buffer) < 4 or len(self.buffer) < 4 + loadgen.HEADER.unpack_from(
-                self.buffer)[0]:
-            chunk = self.sock.recv(1 << 20)
-            if not chunk:
-                raise ConnectionError("the daemon closed the sampler's connection")
-            self.buffer += chunk
-        (length,) = loadgen.HEADER.unpack_from(self.buffer)
-        reply = msgpack.unpackb(self.buffer[4:4 + length], raw=False)
-        self.buffer = self.buffer[4 + length:]
-        stats: dict[str, Any] = reply["stats"]
+        stats: dict[str, Any] = self.connection.call_ok("stats")["stats"]
         return stats
 
     def sample(self) -> dict[str, Any]:
@@ -95,7 +79,7 @@ class Sampler:
                 "processes": figures}
 
     def close(self) -> None:
-        self.sock.close()
+        self.connection.close()
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
@@ -215,11 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ds = datasets.dataset(args.dataset, base=args.base)
     paths = datasets.ensure(ds, quiet=True)
-    daemon: loadgen.OwnDaemon | None = None
+    daemon: Daemon | None = None
     socket_path = args.socket
     if socket_path is None:
-        daemon = loadgen.start_daemon(ds.root, Path(tempfile.mkdtemp(prefix="kvsoak-")),
-                                      workers=args.workers)
+        daemon = loadgen.own_daemon(ds.root, Path(tempfile.mkdtemp(prefix="kvsoak-")),
+                                    args.workers)
         socket_path = daemon.socket_path
     try:
         result = run_soak(socket_path, requests=args.requests, clients=args.clients,

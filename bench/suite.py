@@ -38,13 +38,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import ack_latency
 import datasets
 import plots
+import psutil
 import report
 import warmup
 

@@ -1,8 +1,8 @@
-"""Fixtures shared by every test directory; the helpers themselves live in daemon_harness.py.
+"""Fixtures shared by every test directory; the helpers themselves live in bench/kvharness.
 
-(Test modules import helpers from daemon_harness, never from conftest: pytest
-loads every conftest.py under the same module name, so `from conftest import`
-may pick up another directory's.)
+(Test modules import helpers from kvharness, which the benchmarks share, never from
+conftest: pytest loads every conftest.py under the same module name, so
+`from conftest import` may pick up another directory's.)
 """
 
 from __future__ import annotations
@@ -13,23 +13,23 @@ from typing import Any
 
 import pytest
 
-from daemon_harness import Daemon, start_daemon
+from kvharness.daemon import Daemon, start_cli
 
 
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Any]:
+    """start_cli in the test's tmp_path (root tmp_path/kv unless root=...); every daemon
+    started is killed at teardown, whatever the test did to it."""
     started: list[Daemon] = []
 
     def factory(*args: str, **kwargs: Any) -> Daemon:
-        instance = start_daemon(tmp_path, *args, **kwargs)
+        instance = start_cli(tmp_path, *args, **kwargs)
         started.append(instance)
         return instance
 
     yield factory
     for instance in started:
-        if instance.process.poll() is None:
-            instance.process.kill()
-            instance.process.wait(10)
+        instance.kill()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from warmup import ENGINES, all_methods
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -48,11 +49,6 @@ def test_warmup_results_have_every_method_and_sane_figures(tmp_path: Path) -> No
     run("warmup.py", *warmup_args(tmp_path, out))
     results = json.loads((out / "results.json").read_text())
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        from warmup import ENGINES, all_methods
-    finally:
-        sys.path.remove(str(BENCH))
     methods = results["methods"]
     assert list(methods) == all_methods(ENGINES)
     assert results["dataset"]["files"] == FILES and results["head_bytes"] == HEAD

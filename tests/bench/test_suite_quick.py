@@ -16,21 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pytest
+import suite
+import warmup
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux page cache only")
-
-
-def bench_module(name: str) -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +45,8 @@ def finite(value: Any) -> bool:
 
 def test_every_scenario_of_the_quick_file_ran(quick: tuple[dict[str, Any], Path]) -> None:
     results, _ = quick
-    suite = bench_module("suite")
     spec = suite.load_scenarios(BENCH / "scenarios" / "quick.toml")
-    expected = [f"warmup/{bench_module('datasets').dataset(w['dataset']).name}/{state}"
+    expected = [f"warmup/{datasets.dataset(w['dataset']).name}/{state}"
                 for w in spec["warmup"] for state in w["states"]] + ["ack", "load"]
     assert [s["name"] for s in results["scenarios"]] == expected
     assert results["suite"] == "quick" and results["seconds"] > 0
@@ -61,7 +55,6 @@ def test_every_scenario_of_the_quick_file_ran(quick: tuple[dict[str, Any], Path]
 
 def test_warmup_scenarios_are_consistent(quick: tuple[dict[str, Any], Path]) -> None:
     results, out = quick
-    warmup = bench_module("warmup")
     for scenario in (s for s in results["scenarios"] if s["kind"] == "warmup"):
         name, settings, methods = scenario["name"], scenario["settings"], scenario["methods"]
         assert (out / scenario["raw"]).exists(), name
@@ -164,7 +157,6 @@ def test_plots_and_summary_are_written(quick: tuple[dict[str, Any], Path]) -> No
 
 
 def test_a_scenario_file_with_an_unknown_key_is_refused_by_name(tmp_path: Path) -> None:
-    suite = bench_module("suite")
     bad = tmp_path / "bad.toml"
     bad.write_text('[suite]\nreps = 1\n\n[[warmup]]\ndataset = "10x1MiB"\nhaed = "1MiB"\n')
     with pytest.raises(suite.ScenarioError, match=r"\[\[warmup\]\] #1 has unknown keys \['haed'\]"):

@@ -1,7 +1,8 @@
 """A small but real kvprefetchd stand-in for the client tests.
 
-It listens on a real Unix socket and speaks protocol v1 with its own framing code (not the
-client's), so a framing bug in the client cannot hide behind the same bug in the server.
+It listens on a real Unix socket and speaks protocol v1 with the test harness's framing
+(kvharness.wire, not the client's), so a framing bug in the client cannot hide behind the
+same bug in the server.
 Knobs on the instance make it misbehave in the ways a real daemon can: slow replies,
 out-of-order `wait` replies, error replies, hang-ups, restarts, dribbled frames.
 """
@@ -11,14 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
-import msgpack
-
-HEADER = struct.Struct(">I")
+from kvharness.wire import FrameSplitter, pack, unpack
 
 
 class FakeDaemon:
@@ -104,8 +102,7 @@ class FakeDaemon:
 
     def _serve(self, conn: socket.socket) -> None:
         send_lock = threading.Lock()
-        buf = b""
-        skip = 0  # bytes of a refused oversize frame still to discard
+        frames = FrameSplitter(self.max_frame)
         while True:
             try:
                 data = conn.recv(65536)
@@ -113,25 +110,13 @@ class FakeDaemon:
                 return
             if not data:
                 return
-            buf += data
-            while True:
-                if skip:
-                    dropped = min(skip, len(buf))
-                    buf, skip = buf[dropped:], skip - dropped
-                    if skip:
-                        break
-                if len(buf) < HEADER.size:
-                    break
-                (length,) = HEADER.unpack_from(buf)
-                if length > self.max_frame:
-                    buf, skip = buf[HEADER.size :], length
+            frames.max_frame = self.max_frame  # a knob: it may change while connected
+            for payload in frames.feed(data):
+                if payload is None:
                     # The body is never read, so the id is unknown: the reply carries none.
                     self._send(conn, send_lock, _error(None, "too_large", "frame too large"))
                     continue
-                if len(buf) < HEADER.size + length:
-                    break
-                payload, buf = buf[HEADER.size : HEADER.size + length], buf[HEADER.size + length :]
-                request = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+                request = unpack(payload)
                 with self._lock:
                     self.seen.append(request)
                 if request.get("op") in self.hang_up_on:
@@ -176,8 +161,7 @@ class FakeDaemon:
             self._send(conn, send_lock, reply)
 
     def _send(self, conn: socket.socket, send_lock: threading.Lock, reply: dict[str, Any]) -> None:
-        payload = msgpack.packb(reply, use_bin_type=True)
-        frame = HEADER.pack(len(payload)) + payload
+        frame = pack(reply)
         with send_lock, contextlib.suppress(OSError):
             if self.dribble_s:
                 conn.sendall(frame[:3])

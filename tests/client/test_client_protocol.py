@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import struct
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvharness.wire import HEADER, frame
 from kvprefetch import protocol, results
 from kvprefetch.errors import ProtocolError, ServerError
 from kvprefetch.protocol import ErrorCode, FrameBuffer, Outcome
@@ -70,10 +70,6 @@ def test_garbage_payload_decodes_to_a_map_or_raises_protocol_error(payload: byte
     assert isinstance(message, dict)
 
 
-def _frame(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
-
-
 @pytest.mark.parametrize(
     ("payload", "error"),
     [
@@ -88,7 +84,7 @@ def _frame(payload: bytes) -> bytes:
 )
 def test_bad_payloads_are_protocol_errors(payload: bytes, error: str) -> None:
     with pytest.raises(ProtocolError, match=error):
-        protocol.decode_frame(_frame(payload))
+        protocol.decode_frame(frame(payload))
 
 
 def test_strings_beyond_the_explicit_limit_are_refused() -> None:
@@ -100,7 +96,7 @@ def test_strings_beyond_the_explicit_limit_are_refused() -> None:
 
 def test_a_length_prefix_above_the_limit_is_refused_before_buffering() -> None:
     buffer = FrameBuffer(max_frame=1000)
-    buffer.feed(struct.pack(">I", 1001))
+    buffer.feed(HEADER.pack(1001))
     with pytest.raises(ProtocolError, match="above the 1000 limit"):
         buffer.pop()
 

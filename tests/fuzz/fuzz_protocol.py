@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 if __name__ == "__main__":
     import atheris
 
+    # Run as a script, outside pytest and its `pythonpath`: the harness is in bench/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     # Only the daemon's code and the checker: instrument_all() would add ~5,600 stdlib
     # functions (25 s to instrument) whose edges are noise to the search.
     with atheris.instrument_imports(include=["kvprefetchd", "protocol_target"]):
-        from protocol_target import HEADER, SMALL_LIMITS, InProcessSupervisor
+        from protocol_target import SMALL_LIMITS, InProcessSupervisor
 else:
-    from protocol_target import HEADER, SMALL_LIMITS, InProcessSupervisor
+    from protocol_target import SMALL_LIMITS, InProcessSupervisor
+
+from kvharness.wire import frame
 
 _target: InProcessSupervisor | None = None
 
@@ -46,7 +51,7 @@ def check(data: bytes) -> None:
     if not data:
         return
     shape, rest = data[0], data[1:]
-    stream = HEADER.pack(len(rest)) + rest if shape & 1 else rest
+    stream = frame(rest) if shape & 1 else rest
     read_size = 1 + (shape >> 1) * 4  # 1..509 bytes per read
     cuts = range(read_size, len(stream), read_size)
     supervisor = target()

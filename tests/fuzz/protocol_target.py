@@ -22,18 +22,17 @@ from __future__ import annotations
 import contextlib
 import selectors
 import socket
-import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from kvharness.wire import FrameSplitter, frame, split_frames, unpack
 from kvprefetchd.config import Config
-from kvprefetchd.protocol import FrameReader, RequestError, decode_payload
+from kvprefetchd.protocol import RequestError, decode_payload
 from kvprefetchd.supervisor import Supervisor
 
-HEADER = struct.Struct(">I")
 # docs/protocol.md, "Errors"; `internal` is documented but is a bug when a request causes it.
 CODES = frozenset({"bad_request", "unsupported_version", "unknown_op", "too_large",
                    "forbidden", "overloaded", "internal"})
@@ -63,25 +62,13 @@ class Expected:
 
 
 def reference_frames(stream: bytes, max_frame_bytes: int) -> list[bytes | None]:
-    """The frames a stream holds, by the contract alone (a second implementation, no state).
+    """The frames a stream holds, by the contract alone: the test harness's framing (a
+    second implementation, kvharness.wire), not the daemon's FrameReader.
 
     A length above the limit is answered at once and its N bytes skipped, even when
     they have not all arrived yet.
     """
-    out: list[bytes | None] = []
-    at = 0
-    while len(stream) - at >= HEADER.size:
-        (length,) = HEADER.unpack_from(stream, at)
-        at += HEADER.size
-        if length > max_frame_bytes:
-            out.append(None)
-            at += length
-            continue
-        if len(stream) - at < length:
-            break
-        out.append(stream[at : at + length])
-        at += length
-    return out
+    return split_frames(stream, max_frame_bytes)
 
 
 def chunked(data: bytes, cuts: Iterable[int]) -> Iterator[bytes]:
@@ -158,9 +145,7 @@ class InProcessSupervisor:
                 except BlockingIOError:
                     break
                 progressed = True
-                for frame in self.replies.feed(data):
-                    assert frame.payload is not None
-                    got.append(msgpack.unpackb(frame.payload, raw=False, strict_map_key=False))
+                got += [unpack(body) for body in self.replies.bodies(data)]
             if not progressed and not self.connection.output and not self._pending_input():
                 return
 
@@ -173,7 +158,7 @@ class InProcessSupervisor:
     def request(self, message: Any) -> dict[str, Any]:
         """One message, one reply (checked for shape and id)."""
         body = msgpack.packb(message, use_bin_type=True)
-        replies = self.exchange(HEADER.pack(len(body)) + body)
+        replies = self.exchange(frame(body))
         if len(replies) != 1:
             raise ContractError(f"{len(replies)} replies to one request: {replies!r}")
         check_reply(replies[0], self.expected_id(body, message))
@@ -213,7 +198,7 @@ class InProcessSupervisor:
         server_end.setblocking(False)
         self.client.setblocking(False)
         self.connection = self.supervisor.server.add_connection(server_end)
-        self.replies = FrameReader(1 << 31)
+        self.replies = FrameSplitter()  # the replies, read with the harness's framing
 
     def internal_errors(self) -> int:
         return sum(n for key, n in self.supervisor.ops.requests.items()

@@ -28,10 +28,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvharness.wire import frame
 from kvprefetchd.confine import Roots
 from kvprefetchd.protocol import (
     BAD_REQUEST,
-    HEADER,
     OPS,
     Frame,
     FrameReader,
@@ -152,10 +152,6 @@ REQUESTS = st.fixed_dictionaries(
         "root_dir": either(st.just(ROOT)),
     },
 )
-
-
-def frame(body: bytes) -> bytes:
-    return HEADER.pack(len(body)) + body
 
 
 # ---- framing -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemon_harness import Daemon, make_file
+from kvharness.daemon import Daemon
+from kvharness.pagecache import make_file
 from kvprefetch import AsyncClient, Client
 
 

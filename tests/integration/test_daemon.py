@@ -14,7 +14,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from daemon_harness import PAGE, Daemon, make_file, resident_bytes, start_daemon
+from kvharness.daemon import Daemon, cpu_seconds, start_cli, write_config
+from kvharness.pagecache import PAGE, evict, make_file, resident_bytes
+from kvharness.wire import HEADER
 from open_audit import OpenAudit
 
 MIB = 1 << 20
@@ -79,7 +81,7 @@ def test_resident_check_uses_the_page_cache_not_recent_memory(
     assert d.call("prefetch", paths=paths, wait=True)["outcomes"]["read"] == 8
     time.sleep(1.2)  # past the dedup memory's TTL: the next answer comes from cachestat
     for f in files:
-        os.posix_fadvise(os.open(f, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        evict(f)
     reply = d.call("prefetch", paths=paths, wait=True)
     assert reply["outcomes"]["read"] == 8, reply
 
@@ -170,7 +172,7 @@ def test_malformed_frames_get_errors_and_the_connection_lives(daemon: Daemon) ->
         assert reply["error"]["message"]
         assert connection.call("ping")["ok"]
     # An oversized frame: refused by its header, its body skipped, the connection kept.
-    connection.sock.sendall((17 << 20).to_bytes(4, "big"))
+    connection.sock.sendall(HEADER.pack(17 << 20))
     chunk = b"\0" * (1 << 20)
     for _ in range(17):
         connection.sock.sendall(chunk)
@@ -240,7 +242,7 @@ def test_kill_9_of_a_worker_fails_its_files_and_it_comes_back(daemon: Daemon) ->
         time.sleep(0.02)
     assert stats["worker_restarts"] == 1
     for f in files:
-        os.posix_fadvise(os.open(f, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        evict(f)
     time.sleep(1.1)  # past the dedup TTL
     later = daemon.call("prefetch", paths=[str(f) for f in files], wait=True)
     assert later["outcomes"]["read"] + later["outcomes"]["resident"] == len(files), later
@@ -266,13 +268,13 @@ def test_sigterm_answers_waiting_requests_exits_0_and_removes_the_socket(
 ) -> None:
     pids = daemon.worker_pids()
     os.kill(pids[0], signal.SIGSTOP)
-    connection = daemon.connect()
     paths = [str(make_file(daemon.root / f"s{i}.bin", 4096)) for i in range(20)]
-    connection.send({"v": 1, "id": 3, "op": "prefetch", "paths": paths, "wait": True})
-    time.sleep(0.2)
-    started = time.monotonic()
-    daemon.process.send_signal(signal.SIGTERM)
-    reply = connection.recv()
+    with daemon.connect() as connection:
+        connection.send({"v": 1, "id": 3, "op": "prefetch", "paths": paths, "wait": True})
+        time.sleep(0.2)
+        started = time.monotonic()
+        daemon.process.send_signal(signal.SIGTERM)
+        reply = connection.recv()
     assert reply["id"] == 3 and balanced(reply)
     assert daemon.process.wait(5) == 0
     assert time.monotonic() - started < 5
@@ -288,9 +290,9 @@ def test_stale_socket_is_replaced_and_a_live_one_refused(tmp_path: Path) -> None
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(run / "kvprefetchd.sock"))
     stale.close()  # bound, never listening: a leftover from a crash
-    first = start_daemon(tmp_path)
+    first = start_cli(tmp_path)
     try:
-        second = start_daemon(tmp_path, wait=False)
+        second = start_cli(tmp_path, wait=False)
         assert second.process.wait(30) == 1
         assert "another kvprefetchd is serving" in second.log()
         assert first.call("ping")["ok"]
@@ -299,12 +301,8 @@ def test_stale_socket_is_replaced_and_a_live_one_refused(tmp_path: Path) -> None
 
 
 def test_a_worker_that_cannot_boot_halts_the_daemon(tmp_path: Path) -> None:
-    os.environ["KVPREFETCHD_FAULTS"] = "worker_boot_fails"
-    try:
-        d = start_daemon(tmp_path, wait=False)
-        assert d.process.wait(30) == 1
-    finally:
-        del os.environ["KVPREFETCHD_FAULTS"]
+    d = start_cli(tmp_path, wait=False, env={"KVPREFETCHD_FAULTS": "worker_boot_fails"})
+    assert d.process.wait(30) == 1
     assert "could not boot" in d.log() and "boot failure injected" in d.log()
     assert not os.path.exists(d.socket_path)
 
@@ -353,13 +351,35 @@ def test_advise_mode_confirms_heads_resident(daemon_factory: Any) -> None:
     assert warm >= 0.99 * 20 * MIB
 
 
-def test_stats_carry_process_figures_per_worker(daemon: Daemon) -> None:
-    stats = daemon.call("stats")["stats"]
+def test_stats_carry_process_figures_per_worker(daemon_factory: Any, tmp_path: Path) -> None:
+    # Without its dedup memory a worker reads a file every time it is asked to; CPU time
+    # is counted in clock ticks (proc(5) utime, stime), so it works until every worker
+    # has been charged some, or the figure could not tell work from none.
+    config = write_config(tmp_path / "no-dedup.toml", {"dedup_ttl_ms": 0})
+    d: Daemon = daemon_factory("--config", str(config))
+    files = [make_file(d.root / f"c{i}.bin", MIB) for i in range(32)]
+    pids = d.worker_pids()
+    for _ in range(100):
+        if all(cpu_seconds(pid) > 0 for pid in pids):
+            break
+        for f in files:
+            evict(f)
+        reply = d.call("prefetch", paths=[str(f) for f in files], wait=True)
+        assert reply["outcomes"]["read"] == len(files), reply
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    assert all(before.values()), f"100 rounds of reads and a worker was charged no CPU: {before}"
+    stats = d.call("stats")["stats"]
+    after = {pid: cpu_seconds(pid) for pid in pids}
+    assert [w["pid"] for w in stats["workers"]] == pids
     for worker in stats["workers"]:
         assert worker["rss_bytes"] > 1 << 20 and worker["open_fds"] >= 3
-        assert worker["cpu_seconds"] >= 0
-    assert stats["supervisor"]["pid"] == daemon.process.pid
+        # The worker's own CPU time, read between our two readings (rounded to 1 ms).
+        pid = worker["pid"]
+        assert before[pid] - 0.001 <= worker["cpu_seconds"] <= after[pid] + 0.001, (
+            worker, before[pid], after[pid])
+    assert stats["supervisor"]["pid"] == d.process.pid
     assert stats["supervisor"]["open_fds"] >= 4
+    assert 0 < stats["supervisor"]["cpu_seconds"] <= cpu_seconds(d.process.pid) + 0.001
 
 
 def test_an_exiting_daemon_leaves_a_later_daemons_socket_alone(

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import Daemon
+from kvharness.daemon import Daemon
 from open_audit import OpenAudit
 
 HASH = {"algo": "sha256_cbor", "python_hash_seed": "0", "block_size": 16,

@@ -30,7 +30,9 @@ from typing import Any
 import psutil
 import pytest
 
-from daemon_harness import Daemon, RawConnection, make_file, start_daemon
+from kvharness.daemon import Daemon, start_cli
+from kvharness.pagecache import evict, make_file
+from kvharness.wire import RawConnection
 from real_eio import real_eio
 
 KIB = 1024
@@ -203,9 +205,7 @@ def test_kill_9_at_random_moments_under_load_answers_every_request_and_balances(
         """Keep the workers reading, not answering `resident` from the page cache."""
         pick = random.Random(1)
         while not stop.is_set():
-            fd = os.open(pick.choice(paths), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            evict(pick.choice(paths), sync=False)  # written and synced by make_file
             time.sleep(0.001)
 
     threads = [threading.Thread(target=client, args=(seed, seed < 3)) for seed in range(5)]
@@ -411,7 +411,7 @@ def test_no_space_for_the_socket_is_a_clean_exit_naming_the_path(
     tmp_path: Path, full_tmpfs: Path
 ) -> None:
     socket_path = full_tmpfs / "kvprefetchd.sock"
-    d = start_daemon(tmp_path, "--socket", str(socket_path), wait=False)
+    d = start_cli(tmp_path, "--socket", str(socket_path), wait=False)
     assert d.process.wait(30) == 1
     assert f"cannot serve on {socket_path}: No space left on device" in d.log(), d.log()
     assert "Traceback" not in d.log()
@@ -422,7 +422,7 @@ def test_no_space_for_the_metrics_socket_names_that_socket(
 ) -> None:
     metrics_path = full_tmpfs / "metrics.sock"
     config = write_config(tmp_path, f'metrics = "unix:{metrics_path}"\n')
-    d = start_daemon(tmp_path, "--config", config, wait=False)
+    d = start_cli(tmp_path, "--config", config, wait=False)
     assert d.process.wait(30) == 1
     assert f"cannot serve on {metrics_path}: No space left on device" in d.log(), d.log()
     assert not os.path.exists(d.socket_path)  # the request socket it did bind is removed

@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from daemon_harness import Daemon, make_file, resident_bytes
 from kv_vectors import CHAIN_FILES, one_group_layout, vector, versions_of
+from kvharness.daemon import Daemon, command
+from kvharness.pagecache import make_file, resident_bytes
 from open_audit import OpenAudit
 
 
@@ -214,9 +216,6 @@ def test_discover_finds_the_fingerprint_on_disk(daemon: Daemon) -> None:
 
 @pytest.mark.parametrize("bad", ["tp_size = 0", 'root_dir = "/elsewhere"'])
 def test_bad_model_profiles_stop_the_daemon_with_the_key(tmp_path: Path, bad: str) -> None:
-    import subprocess
-    import sys
-
     root = tmp_path / "kv"
     root.mkdir()
     config = write_config(tmp_path, root, "0123456789ab")
@@ -225,8 +224,7 @@ def test_bad_model_profiles_stop_the_daemon_with_the_key(tmp_path: Path, bad: st
     text = "\n".join(line for line in text.splitlines() if not line.startswith(key + " "))
     config.write_text(text.replace("[models.m.layout]", f"[models.m.layout]\n{bad}"))
     result = subprocess.run(
-        [sys.executable, "-m", "kvprefetchd", "--config", str(config), "--root", str(root),
-         "--socket", str(tmp_path / "s.sock")],
+        command("--config", str(config), "--root", str(root), "--socket", str(tmp_path / "s.sock")),
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert result.returncode == 2 and f"models.m.layout.{key}" in result.stderr, result.stderr

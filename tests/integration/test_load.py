@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import Daemon
+import datasets
+import loadgen
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from kvharness.daemon import Daemon
+
 CLIENTS, REQUESTS = 8, 10_000
 
 
 def test_8_clients_x_10000_requests_are_all_answered_and_the_books_balance(
     daemon_factory: Any, tmp_path: Path
 ) -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import datasets
-        import loadgen
-    finally:
-        sys.path.remove(str(BENCH))
     ds = datasets.dataset("1000x16KiB", base=tmp_path / "data")
     paths = datasets.ensure(ds, quiet=True)
     daemon: Daemon = daemon_factory("--log-level", "info", root=ds.root)

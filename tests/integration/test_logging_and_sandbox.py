@@ -13,17 +13,18 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from daemon_harness import RawConnection
+import kvharness.daemon
+from kvharness.daemon import Daemon
+from kvharness.wire import RawConnection
 
 SECCOMP = ctypes.util.find_library("seccomp")
 # Runs its arguments with setpriority refused (ENOSYS), through libseccomp: a real
@@ -44,38 +45,20 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def daemon_command(tmp_path: Path, *args: str) -> tuple[list[str], str]:
-    (tmp_path / "kv").mkdir(exist_ok=True)
-    socket_path = str(tmp_path / "run" / "kvprefetchd.sock")
-    command = [sys.executable, "-m", "kvprefetchd", "--socket", socket_path,
-               "--root", str(tmp_path / "kv"), "--workers", "2", *args]
-    return command, socket_path
-
-
-def wait_for_ping(process: subprocess.Popen[bytes], socket_path: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        assert process.poll() is None, f"the daemon exited with {process.returncode}"
-        with contextlib.suppress(OSError):
-            connection = RawConnection(socket_path)
-            try:
-                if connection.call("ping")["ok"]:
-                    return
-            finally:
-                connection.close()
-        assert time.monotonic() < deadline, "the daemon did not come up"
-        time.sleep(0.05)
-
-
 @contextlib.contextmanager
-def running(command: list[str], **popen: object) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(command, **popen)  # type: ignore[call-overload]
+def daemon(tmp_path: Path, *args: str, **launch: Any) -> Iterator[Daemon]:
+    """The real daemon, its stderr or its command line as the test arranges them."""
+    (tmp_path / "kv").mkdir(exist_ok=True)
+    socket_path = tmp_path / "run" / "kvprefetchd.sock"
+    started = kvharness.daemon.launch(
+        ["--socket", str(socket_path), "--root", str(tmp_path / "kv"), "--workers", "2", *args],
+        socket_path=socket_path, root=tmp_path / "kv", log_path=tmp_path / "daemon.log",
+        **launch,
+    )
     try:
-        yield process
+        yield started
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
+        started.kill()
 
 
 def test_every_line_carries_its_journal_priority_when_stderr_is_the_journal(
@@ -84,12 +67,11 @@ def test_every_line_carries_its_journal_priority_when_stderr_is_the_journal(
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     info = os.fstat(theirs.fileno())
     env = {**os.environ, "JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}"}
-    command, socket_path = daemon_command(tmp_path, "--root", str(tmp_path / "absent"))
-    with running(command, stderr=theirs.fileno(), env=env) as process:
+    with daemon(tmp_path, "--root", str(tmp_path / "absent"), stderr=theirs.fileno(),
+                env=env, wait=False) as started:
         theirs.close()
-        wait_for_ping(process, socket_path)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(10) == 0
+        started.wait_ready()
+        assert started.stop() == 0
     ours.settimeout(5)
     text = b"".join(iter(lambda: ours.recv(65536), b"")).decode()
     ours.close()
@@ -101,10 +83,10 @@ def test_every_line_carries_its_journal_priority_when_stderr_is_the_journal(
 
 def test_a_stderr_pipe_nobody_reads_never_stalls_the_supervisor(tmp_path: Path) -> None:
     read_end, write_end = os.pipe()
-    command, socket_path = daemon_command(tmp_path, "--log-level", "debug")
-    with running(command, stderr=write_end) as process:
+    with daemon(tmp_path, "--log-level", "debug", stderr=write_end, wait=False) as started:
         os.close(write_end)
-        wait_for_ping(process, socket_path)
+        started.wait_ready()
+        socket_path = started.socket_path
         connection = RawConnection(socket_path)
         connection.sock.settimeout(5)  # a supervisor asleep in write(2) fails this
         # Each refused path is one debug line of ~100 bytes: 200 requests write ~2 MB,
@@ -117,32 +99,24 @@ def test_a_stderr_pipe_nobody_reads_never_stalls_the_supervisor(tmp_path: Path) 
         assert connection.call("ping")["ok"]
         assert time.monotonic() - started < 2.0
         connection.close()
+        # Once someone reads, the held lines go out, then the count of those dropped.
         os.set_blocking(read_end, False)
-        held = b""
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(read_end, 1 << 16):
-                held += chunk
-        assert len(held) >= 32 * 1024  # the pipe was full
-        # Drained, the next lines go out, led by the count of those dropped meanwhile.
-        reply = RawConnection(socket_path).call("prefetch", paths=refused[:1])
-        assert reply["ok"]
-        deadline = time.monotonic() + 5
-        later = b""
-        while b"log lines dropped" not in later and time.monotonic() < deadline:
+        out = b""
+        deadline = time.monotonic() + 10
+        while b"log lines dropped" not in out and time.monotonic() < deadline:
             with contextlib.suppress(BlockingIOError):
-                later += os.read(read_end, 1 << 16)
-            time.sleep(0.05)
-        assert b"log lines dropped: stderr was not being read" in later
+                out += os.read(read_end, 1 << 16)
+            time.sleep(0.01)
+        assert len(out) >= 64 * 1024  # the pipe was full, and more was held
+        assert b"log lines dropped: stderr was not being read" in out
     os.close(read_end)
 
 
 @pytest.mark.skipif(SECCOMP is None, reason="libseccomp is not installed")
 def test_workers_that_may_not_renice_serve_and_say_so_once(tmp_path: Path) -> None:
-    log_path = tmp_path / "daemon.log"
-    command, socket_path = daemon_command(tmp_path)
-    wrapped = [sys.executable, "-c", DENY_SETPRIORITY, str(SECCOMP), *command]
-    with open(log_path, "wb") as log, running(wrapped, stderr=log) as process:
-        wait_for_ping(process, socket_path)
+    wrapper = [sys.executable, "-c", DENY_SETPRIORITY, str(SECCOMP)]
+    with daemon(tmp_path, wrapper=wrapper) as started:
+        socket_path = started.socket_path
         (tmp_path / "kv" / "a.bin").write_bytes(b"x" * 4096)
         connection = RawConnection(socket_path)
         reply = connection.call("prefetch", paths=[str(tmp_path / "kv" / "a.bin")], wait=True)
@@ -150,5 +124,5 @@ def test_workers_that_may_not_renice_serve_and_say_so_once(tmp_path: Path) -> No
         stats = connection.call("stats")["stats"]
         connection.close()
         assert stats["worker_restarts"] == 0 and all(w["ready"] for w in stats["workers"])
-    text = log_path.read_text()
+    text = started.log()
     assert text.count("cannot renice workers by 5: Function not implemented") == 1, text

@@ -51,7 +51,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from daemon_harness import HEADER, Daemon, RawConnection, make_file, start_daemon
+from kvharness.daemon import Daemon, start_cli
+from kvharness.pagecache import make_file
+from kvharness.wire import RawConnection, frame
 from open_audit import OpenAudit
 from strace_audit import (
     Open,
@@ -415,7 +417,7 @@ def send_all(connection: RawConnection, attempts: list[Attempt], batch: int = 10
                 body = msgpack.packb({"v": 1, "id": request_id, "op": "prefetch", "wait": True,
                                       "timeout_ms": 30_000, "paths": [attempt.path]},
                                      use_bin_type=True)
-            frames.append(HEADER.pack(len(body)) + body)
+            frames.append(frame(body))
         connection.sock.sendall(b"".join(frames))
         replies: dict[int | None, dict[str, Any]] = {}
         unknown = []
@@ -632,7 +634,7 @@ def test_over_a_thousand_escape_attempts_open_nothing_outside_the_roots(
     # No dedup memory: every request really resolves its path (a remembered `read` would
     # let a race hide behind the first answer).
     config.write_text("dedup_ttl_ms = 0\ndedup_entries = 0\nlog_level = \"info\"\n")
-    daemon: Daemon = start_daemon(tmp_path, "--config", str(config), "--root", str(arena.root2),
+    daemon: Daemon = start_cli(tmp_path, "--config", str(config), "--root", str(arena.root2),
                                   root=arena.root)
     strace_skip = available()
     strace: StraceAudit | None = None

@@ -14,13 +14,16 @@ from typing import Any
 
 import pytest
 
-from daemon_harness import Daemon, start_daemon
+import kvharness
+from kvharness.daemon import Daemon, start_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
 NOBODY = pwd.getpwnam("nobody")
 CLIENT = r"""
-import os, socket, struct, sys, msgpack
+import os, socket, sys
+sys.path.insert(0, sys.argv[5])  # the harness, imported before the privileges go
+from kvharness.wire import FrameSplitter, pack, unpack
 groups = [int(g) for g in sys.argv[2].split(",") if g]
 os.setgroups(groups)
 os.setgid(int(sys.argv[3]))
@@ -28,23 +31,20 @@ os.setuid(int(sys.argv[4]))
 s = socket.socket(socket.AF_UNIX)
 s.settimeout(10)
 s.connect(sys.argv[1])
-body = msgpack.packb({"v": 1, "id": 7, "op": "ping"})
 try:
-    s.sendall(struct.pack(">I", len(body)) + body)
+    s.sendall(pack({"v": 1, "id": 7, "op": "ping"}))
 except (BrokenPipeError, ConnectionResetError):
     pass  # a refused peer may be closed before it writes: its forbidden reply is queued
-data = b""
-while True:
+frames, replies = FrameSplitter(), []
+while not replies:
     try:
         chunk = s.recv(65536)
     except ConnectionResetError:
         break
     if not chunk:
         break
-    data += chunk
-    if len(data) >= 4 and len(data) >= 4 + struct.unpack(">I", data[:4])[0]:
-        break
-reply = msgpack.unpackb(data[4:]) if data else None
+    replies = frames.bodies(chunk)
+reply = unpack(replies[0]) if replies else None
 s.settimeout(1)
 try:
     closed = s.recv(65536) == b""
@@ -59,7 +59,7 @@ print(repr((reply, closed)))
 def ping_as(daemon: Daemon, uid: int, gid: int, groups: tuple[int, ...] = ()) -> Any:
     result = subprocess.run(
         [sys.executable, "-c", CLIENT, daemon.socket_path, ",".join(map(str, groups)),
-         str(gid), str(uid)],
+         str(gid), str(uid), str(Path(kvharness.__file__).resolve().parents[1])],
         capture_output=True, text=True, timeout=30, check=False,
     )
     assert result.returncode == 0, result.stderr
@@ -77,7 +77,7 @@ def open_daemon() -> Iterator[Callable[[str], Daemon]]:
     def start(extra: str = "") -> Daemon:
         config = base / "peers.toml"
         config.write_text(f"socket_mode = 0o666\n{extra}")
-        daemon = start_daemon(base, "--config", str(config))
+        daemon = start_cli(base, "--config", str(config))
         os.chmod(Path(daemon.socket_path).parent, 0o755)
         started.append(daemon)
         return daemon

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import Daemon, RawConnection
+from kvharness.daemon import Daemon, start_config
+from kvharness.wire import RawConnection
 
 
 def reload_and_wait(d: Daemon, marker: str) -> None:
@@ -73,22 +72,12 @@ def test_a_reload_may_not_add_a_profile_beneath_roots_it_holds_for_a_restart(
     (held / "org_model_0123456789ab_r0").mkdir(parents=True)
     base.mkdir()
     (base / "config.json").write_text(json.dumps({"model_name": "SECRET-FIELD"}))
-    config = tmp_path / "c.toml"
-    config.write_text(f'roots = ["{kept}"]\nworkers = 1\n')
-    socket_path = str(tmp_path / "kvprefetchd.sock")
-    log_path = tmp_path / "daemon.log"
-    command = [sys.executable, "-m", "kvprefetchd", "--config", str(config),
-               "--socket", socket_path]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stderr=log)
+    d = start_config(tmp_path, {"roots": [str(kept)], "workers": 1})
+    config = tmp_path / "kvprefetchd.toml"
+    socket_path = d.socket_path
     try:
-        d = Daemon(socket_path, kept, process, log_path)
-        deadline = time.monotonic() + 30
-        while "serving on" not in d.log():
-            assert process.poll() is None and time.monotonic() < deadline, d.log()
-            time.sleep(0.05)
         config.write_text(
-            f'roots = ["{kept}", "{held}"]\nworkers = 1\n'
+            f'roots = ["{kept}", "{held}"]\nworkers = 1\nsocket = "{socket_path}"\n'
             f'[models.m]\nhash = {{ algo = "sha256_cbor", python_hash_seed = "0", '
             f'block_size = 16, vllm_version = "0.23.0" }}\n'
             f'layout = {{ root_dir = "{held}", model_name = "org/model", '
@@ -103,5 +92,4 @@ def test_a_reload_may_not_add_a_profile_beneath_roots_it_holds_for_a_restart(
         assert reply["ok"] is False and "SECRET" not in json.dumps(reply), reply
         assert "SECRET" not in d.log()
     finally:
-        process.kill()
-        process.wait(10)
+        d.kill()

@@ -66,8 +66,6 @@ def test_profile_computes_the_fingerprint(section: str, case: dict[str, Any]) ->
     field_set, versions = FINGERPRINT_SECTIONS[section]
     kwargs, expected = case["inputs"]["constructor_kwargs"], case["expected"]
     neutral = neutral_kwargs(kwargs)
-    if not neutral["kv_cache_groups"]:
-        pytest.skip("a profile always has KV-cache groups (covered by the fields test)")
     block_size = neutral["block_size"]
     layout_map = {
         "root_dir": kwargs["root_dir"], "model_name": kwargs["model_name"],
@@ -79,6 +77,14 @@ def test_profile_computes_the_fingerprint(section: str, case: dict[str, Any]) ->
         "parallel_agnostic": neutral["parallel_agnostic"],
         "replicated_layout": neutral["replicated_layout"],
     }
+    if not neutral["kv_cache_groups"]:
+        # A profile must know its groups' files, so it refuses a layout without any, by
+        # the key's name; this case's digest is checked by the fields test above.
+        hash_map = {"algo": "sha256_cbor", "python_hash_seed": "0", "block_size": block_size,
+                    "vllm_version": versions[0]}
+        with pytest.raises(kv.ProfileError, match=r"layout\.kv_cache_groups: must be a non-empty"):
+            kv.Profile.from_mapping("m", {"hash": hash_map, "layout": layout_map})
+        return
     variants: list[tuple[str | None, dict[str, Any]]] = [
         (version, layout_map) for version in versions
     ] + [(None, {**layout_map, "fingerprint_field_set": field_set})]
@@ -185,17 +191,9 @@ def test_router_pr1156_path_base_defaulting(case: dict[str, Any]) -> None:
             layout_from_pr1156(params.get("kvFilePathBase") or {}, 16)
 
 
-ELSEWHERE = {
-    "residency_cases": "the st_blocks residency skip rule is the worker's (native/prefetch.c, "
-                       "kvprefetchd/residency.py), not part of the pure kv package",
-    "submit_cases": "non-blocking submission is the supervisor's bounded queues, not kv/",
-}
-
-
-@pytest.mark.parametrize("kind", sorted(ELSEWHERE))
-def test_plugin_behaviour_outside_the_kv_package(kind: str) -> None:
-    assert BEHAVIOUR[kind]
-    pytest.skip(f"{kind}: {ELSEWHERE[kind]}")
+# Its residency_cases and submit_cases are the worker's tier rule and the supervisor's
+# bounded queues, not the kv package: tests/integration/test_plugin_vectors.py runs them
+# through the real daemon.
 
 
 def test_every_vector_file_is_covered() -> None:

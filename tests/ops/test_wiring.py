@@ -10,55 +10,15 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvharness.daemon import Daemon, command, start_cli
 from kvprefetch import Client
 from kvprefetch.errors import KVPrefetchError
-
-
-class Daemon:
-    """The real daemon in a child process, with the environment systemd would give it."""
-
-    def __init__(self, tmp_path: Path, *args: str) -> None:
-        (tmp_path / "kv").mkdir(exist_ok=True)
-        self.socket_path = str(tmp_path / "run" / "kvprefetchd.sock")
-        self.log_path = tmp_path / "daemon.log"
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvprefetchd", "--socket", self.socket_path,
-                 "--root", str(tmp_path / "kv"), "--workers", "2", "--log-level", "debug",
-                 *args],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 30
-        while True:
-            assert self.process.poll() is None, self.log_path.read_text()
-            try:
-                with Client(self.socket_path) as client:
-                    client.ping()
-                return
-            except (OSError, KVPrefetchError):
-                assert time.monotonic() < deadline, self.log_path.read_text()
-                time.sleep(0.05)
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            return self.process.wait(10)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-
-
-def start_daemon(tmp_path: Path, *args: str) -> Daemon:
-    return Daemon(tmp_path, *args)
 
 
 def notify_receiver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> socket.socket:
@@ -75,7 +35,7 @@ def test_the_daemon_notifies_ready_once_its_workers_booted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     receiver = notify_receiver(tmp_path, monkeypatch)
-    daemon = start_daemon(tmp_path)
+    daemon = start_cli(tmp_path)
     try:
         messages = []
         while not any(b"READY=1" in m for m in messages):
@@ -93,7 +53,7 @@ def test_the_daemon_pings_the_watchdog_at_half_the_interval(
 ) -> None:
     receiver = notify_receiver(tmp_path, monkeypatch)
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")  # 1 s: a ping at least every 0.5 s
-    daemon = start_daemon(tmp_path)  # WATCHDOG_PID unset: the daemon is the one meant
+    daemon = start_cli(tmp_path)  # WATCHDOG_PID unset: the daemon is the one meant
     try:
         started = time.monotonic()
         pings = 0
@@ -117,8 +77,7 @@ def test_the_daemon_serves_the_socket_systemd_passes(tmp_path: Path) -> None:
     passed_env = [f"-E{name}" for name in ("PYTHONPATH",) if name in os.environ]
     process = subprocess.Popen(
         ["systemd-socket-activate", "-l", socket_path, "--fdname=kvprefetchd", *passed_env,
-         sys.executable, "-m", "kvprefetchd", "--socket", socket_path,
-         "--root", str(tmp_path / "kv"), "--workers", "1"],
+         *command("--socket", socket_path, "--root", str(tmp_path / "kv"), "--workers", "1")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:
@@ -158,7 +117,7 @@ def start_with_metrics(tmp_path: Path) -> tuple[Daemon, Path]:
     metrics_path = tmp_path / "run" / "metrics.sock"
     config = tmp_path / "config.toml"
     config.write_text(f'metrics = "unix:{metrics_path}"\n')
-    return start_daemon(tmp_path, "--config", str(config)), metrics_path
+    return start_cli(tmp_path, "--config", str(config)), metrics_path
 
 
 def test_the_daemon_serves_metrics_on_a_unix_socket(tmp_path: Path) -> None:

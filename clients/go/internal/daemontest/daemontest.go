@@ -1,5 +1,5 @@
 // Package daemontest runs the real kvprefetchd for tests: a child process with its own
-// socket, root and TOML config in a temporary directory, as tests/daemon_harness.py does
+// socket, root and TOML config in a temporary directory, as bench/kvharness/daemon.py does
 // for the Python tests. Nothing is mocked: the daemon forks real workers and reads real
 // files.
 //
