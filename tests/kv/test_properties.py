@@ -12,6 +12,7 @@ import cbor2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_reference import file_path
 from kvprefetchd import kv
 from kvprefetchd.kv import hashing, layout
 
@@ -128,7 +129,7 @@ def test_files_are_the_last_hash_of_each_full_run(hashes: list[bytes], factor: i
     named = [hashes[i] for i in range(factor - 1, len(hashes), factor)]
     assert len(paths) == rank_count * groups * (len(hashes) // factor)
     assert len(paths) == layout.count_files([len(hashes)], (factor,) * groups, rank_count)
-    expected = [layout.file_path("/r/m_0123456789ab", r, g, h)
+    expected = [file_path("/r/m_0123456789ab", r, g, h)
                 for r in range(rank_count) for g in range(groups) for h in named]
     assert paths == expected
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kv_reference import file_path
 from kvprefetchd import kv
 from kvprefetchd.kv import hashing, layout
 
@@ -40,7 +41,7 @@ def test_each_prompt_is_its_own_chain_and_its_own_file_selection() -> None:
     assert profile.group_factors == (4,)
     base = profile.base_path()
     chain_a, chain_b = both.block_hashes
-    want = [layout.file_path(base, rank, 0, h)
+    want = [file_path(base, rank, 0, h)
             for rank in (0, 1) for h in (chain_a[3], chain_b[3], chain_b[7])]
     assert both.paths == want  # rank, then group, then prompt, then file order
     assert both.paths == [p for rank in (0, 1) for p in alone_a.paths + alone_b.paths
@@ -48,8 +49,8 @@ def test_each_prompt_is_its_own_chain_and_its_own_file_selection() -> None:
     # selecting over the concatenation (the router PR) would name b's 3rd and 7th
     # hashes, files vLLM never writes for b, and miss b's real ones
     concatenated = chain_a + chain_b
-    wrong = {layout.file_path(base, 0, 0, concatenated[i]) for i in (3, 7, 11)}
-    assert wrong - set(both.paths) == {layout.file_path(base, 0, 0, chain_b[i]) for i in (2, 6)}
+    wrong = {file_path(base, 0, 0, concatenated[i]) for i in (3, 7, 11)}
+    assert wrong - set(both.paths) == {file_path(base, 0, 0, chain_b[i]) for i in (2, 6)}
 
 
 def test_prompts_sharing_a_prefix_share_files_listed_once() -> None:
@@ -59,7 +60,7 @@ def test_prompts_sharing_a_prefix_share_files_listed_once() -> None:
     result = resolve({"model": "m", "prompts": [{"token_ids": first}, {"token_ids": second}]})
     assert result.block_hashes[0][:4] == result.block_hashes[1][:4]
     assert len(result.paths) == len(set(result.paths)) == 2 * 3  # 2 ranks x (1 shared + 2)
-    assert result.paths[0] == layout.file_path(PROFILES["m"].base_path(), 0, 0,
+    assert result.paths[0] == file_path(PROFILES["m"].base_path(), 0, 0,
                                                result.block_hashes[0][3])
 
 

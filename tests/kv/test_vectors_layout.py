@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from kv_reference import file_path, layout_from_pr1156, pr1156_path_base
 from kv_vectors import vector, vector_files
 from kvprefetchd import kv
 from kvprefetchd.kv import layout
-from kvprefetchd.kv.profile import layout_from_pr1156, pr1156_path_base
 
 FINGERPRINT_SECTIONS = {
     "field_set_v1_cases": ("v1", ["0.23.0", "0.25.0", None]),
@@ -106,7 +106,7 @@ def test_profile_computes_the_fingerprint(section: str, case: dict[str, Any]) ->
 def test_path_format(case: dict[str, Any]) -> None:
     i = case["inputs"]
     for block_hash in (i["block_hash_hex"], bytes.fromhex(i["block_hash_hex"])):
-        assert layout.file_path(i["base_path"], i["rank"], i["group_idx"], block_hash) == (
+        assert file_path(i["base_path"], i["rank"], i["group_idx"], block_hash) == (
             case["expected"]["path"])
 
 
@@ -137,7 +137,7 @@ def test_paths_end_to_end(case: dict[str, Any]) -> None:
     assert set(resolution.paths) == set(want)
     assert resolution.paths == want  # rank-major, then group, then file order
     for entry in expected["paths"]:
-        assert layout.file_path(resolution.base_path, entry["rank"], entry["group_idx"],
+        assert file_path(resolution.base_path, entry["rank"], entry["group_idx"],
                                 entry["block_hash_hex"]) == entry["path"]
         assert expected["block_hashes_hex"][entry["block_index"]] == entry["block_hash_hex"]
 

@@ -44,12 +44,6 @@ def config_json_path(base: str) -> str:
     return f"{base}/config.json"
 
 
-def file_path(base: str, rank: int, group: int, block_hash: bytes | str) -> str:
-    """One file's path (FileMapper.get_file_name); the hash as bytes or lower-case hex."""
-    h = block_hash if isinstance(block_hash, str) else block_hash.hex()
-    return f"{base}_r{rank}/{h[0:3]}/{h[3:5]}_g{group}/{h}.bin"
-
-
 # --- Which hashes name files (§5.2) -----------------------------------------------------
 
 def gpu_blocks_per_file(connector_block_size_tokens: int, hash_block_size: int) -> int:
