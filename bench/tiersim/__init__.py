@@ -69,7 +69,7 @@ class TierOptions:
     slots: int = 0                # fetches in flight at most (AFM gateway threads); 0: no cap
     bandwidth: int = 0            # bytes/s over all fetches; 0: no cap
     chunk_bytes: int = 1 << 20    # the fetch unit
-    max_background: int = 1024    # the mount's background requests; the kernel's 12 caps warmers
+    max_background: int = 1024    # background requests in flight; 0: the kernel's 12
     congestion_threshold: int = 0  # 0: 3/4 of max_background, the kernel's ratio
     max_readahead: int = 0        # 0: what the kernel offers (its bdi's read_ahead_kb)
     read_ahead_kb: int | None = None  # written to the mount's bdi after mounting, if set
@@ -127,13 +127,14 @@ class TierStats:
     slots: int
     bandwidth: int
     chunk_bytes: int
-    max_background: int       # as negotiated in INIT
+    max_background: int       # as asked in INIT; 0: the kernel's default (12)
     congestion_threshold: int
     max_readahead: int
     kernel_max_readahead: int
     splice: bool
     fuse_threads: int
     reply_threads: int
+    initialized: bool         # the kernel's INIT was answered
 
     @classmethod
     def from_reply(cls, reply: dict[str, Any]) -> TierStats:
@@ -214,7 +215,7 @@ class Tier:
         raised max_background is in force before anyone reads; polled over the control
         socket rather than by touching the mount, which would block if INIT never came."""
         deadline = time.monotonic() + READY_TIMEOUT
-        while self.stats().max_background == 0:
+        while not self.stats().initialized:
             if time.monotonic() > deadline:
                 raise TierError(f"no FUSE INIT within {READY_TIMEOUT} s; log:\n{self.log_tail()}")
             time.sleep(0.005)

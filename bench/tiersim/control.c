@@ -82,6 +82,7 @@ static void cmd_stats(struct reply *r)
     struct counters n = g.n;
     struct settings s = g.set;
     uint64_t files = g.nnodes;
+    bool initialized = g.initialized;
     pthread_mutex_unlock(&g.lock);
     n.reads = __atomic_load_n(&g.n.reads, __ATOMIC_RELAXED);
     n.read_bytes = __atomic_load_n(&g.n.read_bytes, __ATOMIC_RELAXED);
@@ -101,11 +102,11 @@ static void cmd_stats(struct reply *r)
     put(r, "\"latency_ms\": %.3f, \"jitter_ms\": %.3f, \"slots\": %u, \"bandwidth\": %lu, "
            "\"chunk_bytes\": %lu, \"max_background\": %u, \"congestion_threshold\": %u, "
            "\"max_readahead\": %u, \"kernel_max_readahead\": %u, "
-           "\"splice\": %s, \"fuse_threads\": %u, \"reply_threads\": %u}",
+           "\"splice\": %s, \"fuse_threads\": %u, \"reply_threads\": %u, \"initialized\": %s}",
         s.latency_ms, s.jitter_ms, s.slots, s.bandwidth, g.cfg.chunk_bytes,
         g.conn_max_background, g.conn_congestion_threshold, g.conn_max_readahead,
         g.kernel_max_readahead, g.conn_splice_write ? "true" : "false",
-        g.cfg.fuse_threads, g.cfg.reply_threads);
+        g.cfg.fuse_threads, g.cfg.reply_threads, initialized ? "true" : "false");
 }
 
 static bool under(const char *path, const char *dir)
@@ -194,7 +195,7 @@ static void cmd_set(struct reply *r, const char *key, const char *value)
     else
         known = false;
     if (known)
-        tier_settings_changed_locked();
+        fetch_settings_changed_locked();
     pthread_mutex_unlock(&g.lock);
     if (known)
         put(r, "{\"ok\": true}");

@@ -96,8 +96,9 @@ void hang_hold_locked(struct held *args, const char *path)
         h->node->held_reads++;
 }
 
-/* Unlink the held requests that `keep` rejects and queue them (oldest first)
- * for the reply threads, which replay them (or, at shutdown, cancel them). */
+/* Unlink the held requests that no rule matches any more (every one, with
+ * `everything`) and queue them, oldest first, for the reply threads, which
+ * replay them (or, at shutdown, tier_stop cancels them). */
 static uint64_t requeue_locked(bool everything)
 {
     struct held *out = NULL, **pp = &g.held;

@@ -100,9 +100,11 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
      * congestion_threshold, readahead drops its async part (fs/fuse/file.c
      * fuse_readahead: "Congested and only async pages left"): keep the
      * kernel's ratio, 9 of 12. */
-    conn->max_background = g.cfg.max_background;
-    conn->congestion_threshold = g.cfg.congestion_threshold
-        ? g.cfg.congestion_threshold : g.cfg.max_background * 3 / 4;
+    if (g.cfg.max_background) {  /* 0: leave the kernel's defaults, to show what they do */
+        conn->max_background = g.cfg.max_background;
+        conn->congestion_threshold = g.cfg.congestion_threshold
+            ? g.cfg.congestion_threshold : g.cfg.max_background * 3 / 4;
+    }
     /* The kernel offers its bdi's readahead, 128 KiB by default (VM_READAHEAD_PAGES),
      * and takes the minimum of that and our answer (fs/fuse/inode.c
      * process_init_reply): this can only lower it; read_ahead_kb in
@@ -127,10 +129,15 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     g.conn_congestion_threshold = conn->congestion_threshold;
     g.conn_max_readahead = conn->max_readahead;
     g.conn_splice_write = conn->want & FUSE_CAP_SPLICE_WRITE;
+    g.initialized = true;
     pthread_mutex_unlock(&g.lock);
-    logmsg("INIT: max_background %u and congestion_threshold %u (raised from the kernel's "
-           "defaults, 12 and 9, which would cap buffered readers at 12 fetches in flight)",
-           conn->max_background, conn->congestion_threshold);
+    if (g.cfg.max_background)
+        logmsg("INIT: max_background %u and congestion_threshold %u (raised from the kernel's "
+               "defaults, 12 and 9, which would cap buffered readers at 12 fetches in flight)",
+               conn->max_background, conn->congestion_threshold);
+    else
+        logmsg("INIT: max_background left at the kernel's default (12): buffered readers "
+               "get at most 12 fetches in flight");
     logmsg("INIT: max_readahead %u (kernel offered %u), splice %s, chunk %lu bytes",
            conn->max_readahead, g.kernel_max_readahead,
            g.conn_splice_write ? "on" : "off", g.cfg.chunk_bytes);
@@ -161,7 +168,7 @@ static void usage(const char *argv0)
         "  --chunk-bytes N         fetch unit (%u)\n"
         "  --slots N               fetches in flight at most, 0 = unlimited (0)\n"
         "  --bandwidth N           bytes/s over all fetches, 0 = unlimited (0)\n"
-        "  --max-background N      the mount's background requests (%u)\n"
+        "  --max-background N      the mount's background requests, 0: the kernel's 12 (%u)\n"
         "  --congestion-threshold N  (3/4 of max-background)\n"
         "  --max-readahead N       lower the kernel's readahead offer (keep)\n"
         "  --threads N             FUSE loop threads (%u)\n"
@@ -246,7 +253,7 @@ static void parse_options(int argc, char **argv)
     }
     /* max_background is a u16 in the INIT reply (include/uapi/linux/fuse.h) */
     if (!g.cfg.backing || !g.cfg.mountpoint || !g.cfg.control || optind != argc ||
-        g.cfg.chunk_bytes < 4096 || g.cfg.max_background == 0 || g.cfg.max_background > 65535 ||
+        g.cfg.chunk_bytes < 4096 || g.cfg.max_background > 65535 ||
         g.cfg.fuse_threads == 0 || g.cfg.reply_threads == 0 || strchr(g.cfg.subtype, ','))
         usage(argv[0]);
     g.rng = g.cfg.seed ? g.cfg.seed : 1;

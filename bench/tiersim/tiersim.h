@@ -3,8 +3,8 @@
  * Shared state and the seams between the modules:
  *   tiersim.c  options, mount, INIT (max_background), the FUSE loop, shutdown
  *   nodes.c    the inode table and the metadata ops (lookup, getattr, open, readdir)
- *   tier.c     the tier model: chunks, fetches, slots, bandwidth, the timer and
- *              reply threads, the read op, eviction
+ *   tier.c     the near side: fetched chunks, the read op, reply threads, eviction
+ *   fetch.c    the far side: fetches, slots, the bandwidth link, the timer thread
  *   hang.c     hang rules and the requests they hold
  *   control.c  the control socket (text commands, JSON replies)
  *
@@ -81,6 +81,7 @@ struct pending_read {
     struct work work;
     fuse_req_t req;
     struct node *node;
+    uint64_t fsize;              /* node->size when it arrived */
     int fd;
     off_t off;
     size_t size;
@@ -140,6 +141,7 @@ struct tiersim {
     unsigned conn_max_background, conn_congestion_threshold;
     unsigned conn_max_readahead, kernel_max_readahead;
     bool conn_splice_write;
+    bool initialized;             /* INIT answered: the mount serves */
 
     struct node **buckets;
     uint64_t nbuckets, nnodes;
@@ -193,16 +195,27 @@ void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi);
 void op_statfs(fuse_req_t req, fuse_ino_t ino);
 
-/* tier.c */
+/* tier.c: the near side (*_locked: under g.lock) */
 void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
              struct fuse_file_info *fi);
+bool chunk_is_fetched_locked(const struct node *node, uint64_t chunk);
+void chunk_mark_fetched_locked(struct node *node, uint64_t chunk);
 uint64_t tier_fetched_bytes(const struct node *node);             /* under g.lock */
-uint64_t tier_evict_locked(struct node *node);                    /* under g.lock */
-void tier_notify_attrs(const struct node *node);
-void tier_settings_changed_locked(void);
+uint64_t tier_evict_locked(struct node *node);
 void work_push_locked(struct work *work);
 int tier_start(void);
 void tier_stop(void);
+
+/* fetch.c: the far side */
+struct fetch *fetch_find_locked(const struct node *node, uint64_t chunk);
+struct fetch *fetch_new_locked(struct node *node, uint64_t chunk, double now);
+void fetch_add_waiter_locked(struct fetch *f, struct pending_read *p);
+bool fetch_is_instant_locked(void);
+void fetch_settings_changed_locked(void);
+void fetch_notify_attrs(const struct node *node);
+int fetch_timer_start(void);
+void fetch_timer_join(void);
+void fetch_cancel_all_locked(void);
 
 /* hang.c */
 struct held;
