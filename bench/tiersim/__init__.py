@@ -303,8 +303,9 @@ class Tier:
 
     def evict(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Make a file (or every known file under a directory) cold: forget its fetched
-        chunks and drop its pages from the kernel's cache.  A file with a READ held by a
-        hang keeps its pages (counted in `pages_kept_held`)."""
+        chunks and drop its pages from the kernel's cache.  A file under a read hang keeps
+        its pages (counted in `pages_kept_hung`): dropping them would wait for the held
+        READs' page locks."""
         return self.command(f"evict {self.tier_path(path)}")
 
     def evict_all(self) -> dict[str, Any]:

@@ -115,11 +115,13 @@ static bool under(const char *path, const char *dir)
     return !strcmp(dir, "/") || (!strncmp(path, dir, len) && path[len] == '/');
 }
 
-/* Forget the chunks, then tell the kernel to drop the pages.  A file with a
- * READ held by a hang keeps its pages (attributes only): dropping them would
- * wait for the page locks that held READ owns (mm/truncate.c
+/* Forget the chunks, then tell the kernel to drop the pages.  A file under a
+ * read hang keeps its pages (attributes only): dropping them would wait for
+ * the page locks of any READ held there (mm/truncate.c
  * invalidate_inode_pages2_range locks each folio), until a release that this
- * very thread would have to serve. */
+ * very thread would have to serve.  The rule, not only the READs held now,
+ * decides, since a READ may arrive and be held while this runs; rules change
+ * only on this thread, so they cannot change meanwhile. */
 static void cmd_evict(struct reply *r, const char *path, bool all)
 {
     struct node **nodes = NULL, *target = NULL;
@@ -153,8 +155,8 @@ static void cmd_evict(struct reply *r, const char *path, bool all)
         chunks += c;
         if (n->nlookup) {
             inos[notify] = node_id(n);
-            pages[notify] = n->held_reads == 0;
-            kept += n->held_reads != 0;
+            pages[notify] = n->held_reads == 0 && !hang_matches_locked(HANG_READ, n->path);
+            kept += !pages[notify];
             notify++;
         }
     }
@@ -167,7 +169,7 @@ static void cmd_evict(struct reply *r, const char *path, bool all)
         failed += res != 0 && res != -ENOENT;  /* ENOENT: the kernel forgot the inode meanwhile */
     }
     put(r, "{\"ok\": true, \"files\": %lu, \"chunks\": %lu, \"invalidated\": %lu, "
-           "\"pages_kept_held\": %lu, \"notify_errors\": %lu}",
+           "\"pages_kept_hung\": %lu, \"notify_errors\": %lu}",
         files, chunks, notify - kept, kept, failed);
     free(nodes);
     free(inos);

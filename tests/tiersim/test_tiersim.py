@@ -265,6 +265,8 @@ def test_hang_read_holds_readers_until_release(tmp_path: Path, make_tier: MakeTi
         assert still_blocked(child)
         assert (tier.mountpoint / "model_b/y.bin").read_bytes() == free, "other paths served"
         assert os.listdir(tier.mountpoint / "model_a") == ["x.bin"], "only reads hang"
+        # evicting a file under a read hang must not wait for the held READ's page locks
+        assert tier.evict(tier.mountpoint / "model_a/x.bin")["pages_kept_hung"] == 1
     out, err = child.communicate(timeout=10)
     assert child.returncode == 0, err
     assert bytes.fromhex(out) == held
