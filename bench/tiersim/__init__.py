@@ -219,6 +219,10 @@ class Tier:
             if time.monotonic() > deadline:
                 raise TierError(f"no FUSE INIT within {READY_TIMEOUT} s; log:\n{self.log_tail()}")
             time.sleep(0.005)
+        # The simulator has answered INIT; the kernel applies the answer before it lets any
+        # request through (fs/fuse/inode.c process_init_reply, then blocked_waitq), so one
+        # stat of the root returns once the raised limits are in force.
+        os.stat(self.mountpoint)
 
     def log_tail(self, lines: int = 30) -> str:
         """The end of the simulator's stderr: what it said about INIT, errors, shutdown."""

@@ -82,7 +82,9 @@ static void cmd_stats(struct reply *r)
     struct counters n = g.n;
     struct settings s = g.set;
     uint64_t files = g.nnodes;
-    bool initialized = g.initialized;
+    bool initialized = g.initialized, splice = g.conn_splice_write;
+    unsigned background = g.conn_max_background, congestion = g.conn_congestion_threshold;
+    unsigned readahead = g.conn_max_readahead, offered = g.kernel_max_readahead;
     pthread_mutex_unlock(&g.lock);
     n.reads = __atomic_load_n(&g.n.reads, __ATOMIC_RELAXED);
     n.read_bytes = __atomic_load_n(&g.n.read_bytes, __ATOMIC_RELAXED);
@@ -103,10 +105,9 @@ static void cmd_stats(struct reply *r)
            "\"chunk_bytes\": %lu, \"max_background\": %u, \"congestion_threshold\": %u, "
            "\"max_readahead\": %u, \"kernel_max_readahead\": %u, "
            "\"splice\": %s, \"fuse_threads\": %u, \"reply_threads\": %u, \"initialized\": %s}",
-        s.latency_ms, s.jitter_ms, s.slots, s.bandwidth, g.cfg.chunk_bytes,
-        g.conn_max_background, g.conn_congestion_threshold, g.conn_max_readahead,
-        g.kernel_max_readahead, g.conn_splice_write ? "true" : "false",
-        g.cfg.fuse_threads, g.cfg.reply_threads, initialized ? "true" : "false");
+        s.latency_ms, s.jitter_ms, s.slots, s.bandwidth, g.cfg.chunk_bytes, background,
+        congestion, readahead, offered, splice ? "true" : "false", g.cfg.fuse_threads,
+        g.cfg.reply_threads, initialized ? "true" : "false");
 }
 
 static bool under(const char *path, const char *dir)

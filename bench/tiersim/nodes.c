@@ -178,7 +178,6 @@ void op_lookup(fuse_req_t req, fuse_ino_t parent_ino, const char *name)
     }
     char *path = path_join(parent->path, name);
     pthread_mutex_lock(&g.lock);
-    g.n.lookups++;
     if (hang_matches_locked(HANG_STAT, path)) {
         struct held h = { .kind = HANG_STAT, .op = HELD_LOOKUP, .req = req,
                           .ino = parent_ino, .name = (char *)name };
@@ -199,6 +198,7 @@ void op_lookup(fuse_req_t req, fuse_ino_t parent_ino, const char *name)
     struct fuse_entry_param e = { .attr = st, .attr_timeout = g.cfg.attr_timeout,
                                   .entry_timeout = g.cfg.entry_timeout };
     pthread_mutex_lock(&g.lock);
+    g.n.lookups++;  /* counted when served: a held request is counted once, at its replay */
     struct node *node = node_get_locked(&st, path);
     node->nlookup++;
     node->size = (uint64_t)st.st_size;
@@ -239,7 +239,6 @@ void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     struct node *node = node_of(ino);
     pthread_mutex_lock(&g.lock);
-    g.n.getattrs++;
     if (hang_matches_locked(HANG_STAT, node->path)) {
         struct held h = { .kind = HANG_STAT, .op = HELD_GETATTR, .req = req, .ino = ino };
         if (fi) {
@@ -257,6 +256,7 @@ void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         return;
     }
     pthread_mutex_lock(&g.lock);
+    g.n.getattrs++;
     node->size = (uint64_t)st.st_size;
     node_fill_attr(node, &st);
     pthread_mutex_unlock(&g.lock);
@@ -347,7 +347,6 @@ void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     struct node *node = node_of(ino);
     struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
     pthread_mutex_lock(&g.lock);
-    g.n.readdirs++;
     if (hang_matches_locked(HANG_READDIR, node->path)) {
         struct held h = { .kind = HANG_READDIR, .op = HELD_READDIR, .req = req, .ino = ino,
                           .size = size, .off = off, .fi = *fi, .has_fi = true };
@@ -355,6 +354,7 @@ void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         pthread_mutex_unlock(&g.lock);
         return;
     }
+    g.n.readdirs++;
     pthread_mutex_unlock(&g.lock);
     char *buf = xcalloc(size, 1);
     if (off != d->offset) {

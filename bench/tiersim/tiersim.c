@@ -109,7 +109,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
      * and takes the minimum of that and our answer (fs/fuse/inode.c
      * process_init_reply): this can only lower it; read_ahead_kb in
      * /sys/class/bdi/0:N raises it after the mount. */
-    g.kernel_max_readahead = conn->max_readahead;
+    unsigned offered = conn->max_readahead;
     if (g.cfg.max_readahead && g.cfg.max_readahead < conn->max_readahead)
         conn->max_readahead = g.cfg.max_readahead;
     /* Page cache is invalidated by `evict` only: not at each attribute change
@@ -125,6 +125,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;  /* readahead READs in parallel */
 
     pthread_mutex_lock(&g.lock);
+    g.kernel_max_readahead = offered;
     g.conn_max_background = conn->max_background;
     g.conn_congestion_threshold = conn->congestion_threshold;
     g.conn_max_readahead = conn->max_readahead;
@@ -139,7 +140,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
         logmsg("INIT: max_background left at the kernel's default (12): buffered readers "
                "get at most 12 fetches in flight");
     logmsg("INIT: max_readahead %u (kernel offered %u), splice %s, chunk %lu bytes",
-           conn->max_readahead, g.kernel_max_readahead,
+           conn->max_readahead, offered,
            g.conn_splice_write ? "on" : "off", g.cfg.chunk_bytes);
 }
 
