@@ -316,16 +316,23 @@ def test_hang_stat_holds_even_through_sigkill_until_release(
     assert tier.stats().held == 0
 
 
-def test_closing_with_requests_held_frees_the_readers(tmp_path: Path, make_tier: MakeTier) -> None:
+def held_reader(tmp_path: Path, make_tier: MakeTier, kind: tiersim.HangKind
+                ) -> tuple[tiersim.Tier, subprocess.Popen[str], subprocess.Popen[bytes]]:
+    """A child blocked in the simulator, reading model_a/x.bin under a `kind` hang."""
     write(tmp_path / "backing", "model_a/x.bin", 4096)
     tier = make_tier()
-    tier.hold("all", "/model_a/")
+    tier.hold(kind, "/model_a/")
     child = spawn(READ_CHILD, str(tier.mountpoint / "model_a/x.bin"))
     tier.wait_held(1)
-    # SIGTERM without a release first: the simulator answers what it holds (EIO), unmounts
     assert tier.process is not None
-    tier.process.send_signal(signal.SIGTERM)
-    assert tier.process.wait(10) == 0
+    return tier, child, tier.process
+
+
+def test_closing_with_requests_held_frees_the_readers(tmp_path: Path, make_tier: MakeTier) -> None:
+    tier, child, simulator = held_reader(tmp_path, make_tier, "all")
+    # SIGTERM without a release first: the simulator answers what it holds (EIO), unmounts
+    simulator.send_signal(signal.SIGTERM)
+    assert simulator.wait(10) == 0
     _, err = child.communicate(timeout=10)
     assert child.returncode != 0 and "Input/output error" in err, err
     tier.close()
@@ -333,13 +340,8 @@ def test_closing_with_requests_held_frees_the_readers(tmp_path: Path, make_tier:
 
 def test_a_wedged_simulator_is_aborted_through_fusectl(
         tmp_path: Path, make_tier: MakeTier) -> None:
-    write(tmp_path / "backing", "model_a/x.bin", 4096)
-    tier = make_tier()
-    tier.hold("read", "/model_a/")
-    child = spawn(READ_CHILD, str(tier.mountpoint / "model_a/x.bin"))
-    tier.wait_held(1)
-    assert tier.process is not None
-    tier.process.send_signal(signal.SIGSTOP)  # neither release nor SIGTERM can reach it
+    tier, child, simulator = held_reader(tmp_path, make_tier, "read")
+    simulator.send_signal(signal.SIGSTOP)  # neither release nor SIGTERM can reach it
     start = time.monotonic()
     tier.close(timeout=0.5)
     assert time.monotonic() - start < 8
