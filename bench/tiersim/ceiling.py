@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -131,12 +132,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--base", type=Path, default=Path("/tmp/tiersim-ceiling"),
-                    help="backing files go here (kept for the next run)")
+                    help="backing files go here (about 6 GB; removed after, unless --keep)")
+    ap.add_argument("--keep", action="store_true", help="keep the backing files for a next run")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--big", type=int, default=512, help="MiB per large file (4 files)")
     ap.add_argument("--small", type=int, default=8000, help="count of 256 KiB files")
     ap.add_argument("--no-splice", action="store_true")
     a = ap.parse_args()
+    try:
+        run(a)
+    finally:
+        if not a.keep:
+            shutil.rmtree(a.base, ignore_errors=True)
+
+
+def run(a: argparse.Namespace) -> None:
     backing = a.base / "backing"
     big = make_files(backing / "big", 4, a.big * MiB)
     small_size = 256 << 10
