@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--big", type=int, default=512, help="MiB per large file (4 files)")
     ap.add_argument("--small", type=int, default=8000, help="count of 256 KiB files")
+    ap.add_argument("--inflight", type=int, default=4000, help="files of the in-flight check")
     ap.add_argument("--no-splice", action="store_true")
     a = ap.parse_args()
     try:
@@ -163,7 +164,7 @@ def run(a: argparse.Namespace) -> None:
         rows.append(measure("fio 4 jobs, 1 MiB sequential, GB/s", a.reps, seq, backing, tier))
         rows.append(measure(f"native pread 64 threads, {a.small} x 256 KiB, files/s", a.reps,
                             heads, backing, tier))
-    inflight = in_flight_check(backing, mountpoint, 4000)
+    inflight = in_flight_check(backing, mountpoint, a.inflight)
     result = {"date": time.strftime("%Y-%m-%d"), "kernel": os.uname().release,
               "cpus": os.cpu_count(), "splice": not a.no_splice, "rows": rows,
               "in_flight": inflight}
