@@ -20,14 +20,8 @@ from typing import Any
 
 import pytest
 
-from daemon_harness import resident_bytes
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-try:
-    import tiersim
-finally:
-    sys.path.remove(str(BENCH))
+import tiersim
+from kvharness.pagecache import resident_bytes
 
 MiB = 1 << 20
 KiB = 1 << 10
