@@ -3,20 +3,22 @@
 A background task reads replies and resolves each call's future by id, so calls are truly
 pipelined: `await asyncio.gather(*(c.prefetch(b, wait=True) for b in batches))` puts every
 request on the wire at once and each await returns as its own reply lands.
+
+The client drives its socket itself (loop.sock_recv, loop.sock_sendall) rather than through
+asyncio streams: a stream whose write fails discards what the daemon sent before it closed,
+and that can be the very reply the call is owed (a `forbidden` refusal).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import os
-from collections.abc import Iterable, Mapping
+import socket
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
-from kvprefetch import protocol, results
+from kvprefetch import protocol
 from kvprefetch.errors import (
     ConnectFailed,
     ConnectionClosed,
@@ -24,10 +26,11 @@ from kvprefetch.errors import (
     ProtocolError,
     Timeout,
 )
-from kvprefetch.protocol import MAX_FRAME_BYTES, PathLike, Reply, default_socket
-from kvprefetch.stats import Stats
+from kvprefetch.operations import Exchange, Operations
+from kvprefetch.protocol import READ_CHUNK_BYTES, Reply
 
-_RECV_CHUNK = 256 * 1024
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -36,45 +39,32 @@ class _Waiter:
     extra_s: float  # a `wait` request's timeout_ms, added to the client's timeout
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Connection:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
+    sock: socket.socket
     frames: protocol.FrameBuffer
     # Sent, reply not yet read. A waiter whose caller gave up (timeout, cancellation) stays
     # until its late reply arrives, so that reply is recognised and dropped.
     in_flight: dict[int, _Waiter] = field(default_factory=dict)
+    # Held while a frame goes out, so concurrent senders never interleave their bytes.
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
     reader_task: asyncio.Task[None] | None = None
     closed: bool = False
 
 
-class AsyncClient:
-    """The asyncio twin of kvprefetch.Client; same methods, same errors, same timeouts."""
+class AsyncClient(Operations):
+    """The asyncio twin of kvprefetch.Client: the same calls (Operations), the same errors,
+    the same timeouts."""
 
-    def __init__(
-        self,
-        socket_path: str | os.PathLike[str] | None = None,
-        timeout: float | None = 5.0,
-        *,
-        max_frame: int = MAX_FRAME_BYTES,
-    ) -> None:
-        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket()
-        self.timeout = timeout
-        self.max_frame = max_frame
+    def _init_transport(self) -> None:
         self._conn: _Connection | None = None
         self._connecting = asyncio.Lock()
-        self._ids = itertools.count(1)
         self._uncollected: dict[int, _Waiter] = {}  # sent, recv() not yet called
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     # --- connection -----------------------------------------------------------------------
@@ -86,13 +76,9 @@ class AsyncClient:
     async def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            if conn.reader_task is not None:
-                conn.reader_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await conn.reader_task
             self._retire(conn, ConnectionClosed("client closed"))
-            with contextlib.suppress(OSError):
-                await conn.writer.wait_closed()
+            if conn.reader_task is not None:
+                await conn.reader_task  # it sees the shutdown at once, and closes the socket
         self._uncollected.clear()
 
     async def _connection(self) -> _Connection:
@@ -107,82 +93,121 @@ class AsyncClient:
             return self._conn
 
     async def _open(self) -> _Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(self.socket_path), self.timeout
-            )
-        except (OSError, TimeoutError) as exc:
-            cause = exc if isinstance(exc, OSError) else OSError("connect timed out")
-            raise ConnectFailed(self.socket_path, cause) from exc
-        conn = _Connection(reader, writer, protocol.FrameBuffer(self.max_frame))
+            connecting = asyncio.get_running_loop().sock_connect(sock, self.socket_path)
+            await asyncio.wait_for(connecting, self.timeout)
+        except BaseException as exc:
+            sock.close()
+            if isinstance(exc, OSError):  # TimeoutError included
+                cause = OSError("connect timed out") if isinstance(exc, TimeoutError) else exc
+                raise ConnectFailed(self.socket_path, cause) from exc
+            raise
+        conn = _Connection(sock, protocol.FrameBuffer(self.max_frame))
         conn.reader_task = asyncio.create_task(self._read_replies(conn))
         return conn
 
     async def _read_replies(self, conn: _Connection) -> None:
-        error: KVPrefetchError
+        """Read replies until the connection ends; then close its socket, the last user."""
+        error: KVPrefetchError = ConnectionClosed(
+            f"kvprefetchd at {self.socket_path} closed the connection"
+        )
         try:
-            while data := await conn.reader.read(_RECV_CHUNK):
-                conn.frames.feed(data)
-                while (reply := conn.frames.pop()) is not None:
-                    self._dispatch(conn, reply)
-            error = ConnectionClosed(f"kvprefetchd at {self.socket_path} closed the connection")
+            while data := await asyncio.get_running_loop().sock_recv(conn.sock, READ_CHUNK_BYTES):
+                self._take(conn, data)
         except ProtocolError as exc:
             error = exc
         except OSError as exc:
             error = ConnectionClosed(f"connection to {self.socket_path} lost: {exc}")
-        self._retire(conn, error)
+        finally:
+            self._retire(conn, error)
+            async with conn.sending:  # a write under way fails at once on the shut socket
+                conn.sock.close()
 
-    def _dispatch(self, conn: _Connection, reply: Reply) -> None:
-        request_id = reply.get("id")
-        if not isinstance(request_id, int) and reply.get("ok") is False and conn.in_flight:
-            # An error for a request whose id the daemon could not read (e.g. too_large,
-            # whose body is skipped unread): blame the oldest request still in flight.
-            request_id = next(iter(conn.in_flight))
-            reply["id"] = request_id
-        waiter = conn.in_flight.pop(request_id, None) if isinstance(request_id, int) else None
-        if waiter is None:
-            raise ProtocolError(f"reply for unknown request id {request_id!r}")
-        if not waiter.future.done():
-            waiter.future.set_result(reply)
+    def _take(self, conn: _Connection, data: bytes) -> None:
+        """Hand every complete reply in `data` to the calls it answers."""
+        if conn.closed:
+            return  # retired: what still arrives is nobody's
+        conn.frames.feed(data)
+        while (reply := conn.frames.pop()) is not None:
+            for request_id, answer in protocol.answers(reply, conn.in_flight):
+                waiter = conn.in_flight.pop(request_id)
+                if not waiter.future.done():
+                    waiter.future.set_result(answer)
+            if protocol.is_refusal(reply):
+                # Every request on it is answered; the next call connects anew.
+                self._retire(conn, ConnectionClosed(f"kvprefetchd at {self.socket_path} refused"))
+                return
+
+    def _read_left(self, conn: _Connection) -> None:
+        """Take what the daemon sent before the connection broke: the kernel hands it over
+        before it reports the close."""
+        try:
+            while data := conn.sock.recv(READ_CHUNK_BYTES):
+                self._take(conn, data)
+        except ProtocolError as exc:
+            self._retire(conn, exc)
+        except OSError:
+            pass  # nothing more (BlockingIOError), or the reset itself
 
     def _retire(self, conn: _Connection, error: KVPrefetchError) -> None:
-        """Fail everything in flight on `conn`; the next call opens a new connection."""
+        """Fail everything in flight on `conn` and shut it down; the next call opens a new
+        connection. The shutdown wakes the reader, which closes the socket."""
+        if conn.closed:
+            return
         conn.closed = True
-        conn.writer.close()
         for waiter in conn.in_flight.values():
             if not waiter.future.done():
                 waiter.future.set_exception(error)
         conn.in_flight.clear()
         if self._conn is conn:
             self._conn = None
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
 
     # --- pipelining primitives ------------------------------------------------------------
 
     async def send(self, request: Mapping[str, Any]) -> int:
         """Send one request (a map with `op`; the client adds `v` and `id`); return its id
         for recv()."""
-        request_id = next(self._ids)
-        frame = protocol.encode_frame(protocol.stamp(request, request_id), self.max_frame)
+        request_id, frame = self._frame(request)
         conn = await self._connection()
         waiter = _Waiter(
             asyncio.get_running_loop().create_future(), protocol.wait_allowance_s(request)
         )
+        # In flight before its first byte goes out: the daemon may answer before the write
+        # is done (a refusal, an id-less error).
         conn.in_flight[request_id] = waiter
-        conn.writer.write(frame)  # whole frames only, so concurrent senders never interleave
+        # The write is a task of its own, so a caller cancelled mid-frame never leaves half
+        # a frame on the wire.
+        write = asyncio.ensure_future(self._write(conn, frame))
         try:
-            await asyncio.wait_for(conn.writer.drain(), self.timeout)
-        except (TimeoutError, OSError) as exc:
-            # Part of the frame may be out, so the stream is no longer trusted either way.
-            error: KVPrefetchError = (
-                Timeout(f"sending to {self.socket_path} timed out")
-                if isinstance(exc, TimeoutError)
-                else ConnectionClosed(f"connection to {self.socket_path} lost: {exc}")
-            )
-            del conn.in_flight[request_id]  # raised here, not through the future
+            await asyncio.wait_for(asyncio.shield(write), self.timeout)
+        except TimeoutError as exc:
+            # Part of the frame may be out, so the stream is no longer trusted.
+            error = Timeout(f"sending to {self.socket_path} timed out")
+            conn.in_flight.pop(request_id, None)  # raised here, not through the future
             self._retire(conn, error)
             raise error from exc
+        lost = waiter.future.exception() if waiter.future.done() else None
+        if lost is not None:
+            raise lost
         self._uncollected[request_id] = waiter
         return request_id
+
+    async def _write(self, conn: _Connection, frame: bytes) -> None:
+        """Put `frame` on the wire whole. A failed write ends the connection, once what the
+        daemon sent before it closed is read: a refusal still answers its requests."""
+        async with conn.sending:
+            if conn.closed:
+                return  # its requests are answered or failed already
+            try:
+                await asyncio.get_running_loop().sock_sendall(conn.sock, frame)
+            except OSError as exc:
+                self._read_left(conn)
+                lost = ConnectionClosed(f"connection to {self.socket_path} lost: {exc}")
+                self._retire(conn, lost)
 
     async def recv(self, request_id: int) -> Reply:
         """The reply to `request_id`, as it is: `ok: false` replies are returned, not raised."""
@@ -196,45 +221,20 @@ class AsyncClient:
         except TimeoutError:
             raise Timeout(f"no reply from {self.socket_path} in time") from None
 
-    async def call(self, request: Mapping[str, Any]) -> Reply:
-        """Send one request and return its successful reply (ServerError otherwise)."""
-        return protocol.check_reply(await self.recv(await self.send(request)))
+    # --- carrying the calls ---------------------------------------------------------------
 
-    # --- operations -----------------------------------------------------------------------
+    def _bind(self, build: Callable[P, Exchange[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+        async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+            return await self._perform(build(*args, **kwargs))
 
-    async def ping(self) -> results.PingResult:
-        return results.parse_ping(await self.call(protocol.ping_request()))
+        return call
 
-    async def prefetch(
-        self,
-        paths: Iterable[PathLike],
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-    ) -> results.PrefetchResult:
-        request = protocol.prefetch_request(
-            paths, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
-        )
-        return results.parse_prefetch(await self.call(request))
-
-    async def prefetch_many(
-        self,
-        batches: Iterable[Iterable[PathLike]],
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-    ) -> list[results.PrefetchResult]:
-        """One prefetch per batch, all in flight together; results in batch order. Every
-        reply is awaited before the first error is raised."""
-        requests = [
-            protocol.prefetch_request(b, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms)
-            for b in batches
-        ]
+    async def _perform(self, exchange: Exchange[T]) -> T:
+        """Every request on the wire, then every reply awaited together; each is in before
+        the first error is raised."""
         ids: list[int] = []
         try:
-            for request in requests:
+            for request in exchange.requests:
                 ids.append(await self.send(request))
         except BaseException:
             for request_id in ids:  # give up on the ones already sent
@@ -245,25 +245,4 @@ class AsyncClient:
             if isinstance(reply, BaseException):
                 raise reply
             replies.append(reply)
-        return [results.parse_prefetch(protocol.check_reply(r)) for r in replies]
-
-    async def prefetch_blocks(
-        self,
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-        **kv_request: Any,
-    ) -> results.PrefetchResult:
-        """Warm the files a KV request maps to; the daemon does the hashing and layout."""
-        request = protocol.prefetch_blocks_request(
-            kv_request, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
-        )
-        return results.parse_prefetch(await self.call(request))
-
-    async def resolve(self, **kv_request: Any) -> results.ResolveResult:
-        """The block hashes and file paths a KV request maps to, without any I/O."""
-        return results.parse_resolve(await self.call(protocol.resolve_request(kv_request)))
-
-    async def stats(self) -> Stats:
-        return results.parse_stats(await self.call(protocol.stats_request()))
+        return exchange.parse(replies)
