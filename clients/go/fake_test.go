@@ -219,6 +219,35 @@ func TestIdlessErrorIsBlamedOnTheOldestRequest(t *testing.T) {
 	}
 }
 
+// A daemon refuses a peer it does not allow as it accepts the connection: one `forbidden`
+// reply without an id, then it closes. Whether the refusal is read before or after a call
+// takes the connection, the call gets the refusal: never a protocol error, never a wait for
+// a connection that would be refused in turn.
+func TestARefusalAnswersTheCalls(t *testing.T) {
+	f := startFake(t, func(fc *fakeConn) {
+		fc.write(map[string]any{"id": nil, "ok": false, "error": map[string]any{"code": "forbidden", "message": "this user may not"}})
+	})
+	c := fakeClient(t, f, Options{PoolSize: 1})
+	for i := 0; i < 3; i++ {
+		_, err := c.Ping(ctxFor(t, 10*time.Second))
+		var se *ServerError
+		if !errors.As(err, &se) || se.Code != CodeForbidden {
+			t.Fatalf("call %d: want the forbidden refusal, got %v", i, err)
+		}
+	}
+	if _, err := c.Prefetch(context.Background(), paths(1), PrefetchOptions{}); err != nil {
+		var se *ServerError
+		if !errors.Is(err, ErrDropped) || !errors.As(err, &se) || se.Code != CodeForbidden {
+			t.Fatalf("fire-and-forget: want a drop for the refusal, got %v", err)
+		}
+	} else {
+		waitFor(t, "the refusal to be counted", func() bool { return c.Counters().Refused == 1 })
+	}
+	if got := c.Counters(); got.ProtocolErrors != 0 || got.Lost != 0 {
+		t.Fatalf("counters: %+v", got)
+	}
+}
+
 func TestUnknownIDEndsTheConnectionAndTheClientReconnects(t *testing.T) {
 	f := startFake(t, func(fc *fakeConn) {
 		if fc.read() == nil {
@@ -392,34 +421,28 @@ func TestOptionsAreChecked(t *testing.T) {
 	}
 }
 
-// When a connection ends, each call on it is settled by whether the writer had taken it:
-// a sync call not yet written comes back as errNotSent (the client sends it elsewhere), a
-// written one as ErrConnectionLost; a fire-and-forget one is Lost either way.
-func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
+// idleConn is a connection without its goroutines, so nothing takes its calls but the test:
+// each of calls is registered, those written marked as taken by the writer.
+func idleConn(t *testing.T, calls []*call, written ...*call) (*conn, *counters) {
 	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer syscall.Close(fds[1])
+	t.Cleanup(func() { syscall.Close(fds[1]) })
 	f := os.NewFile(uintptr(fds[0]), "pair")
 	nc, err := net.FileConn(f)
 	f.Close()
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts, _ := Options{SocketPath: "pair", MaxInFlight: 4}.withDefaults()
-	var stats counters
-	// The connection without its goroutines, so nothing takes the calls but the test.
+	opts, _ := Options{SocketPath: "pair", MaxInFlight: len(calls)}.withDefaults()
+	stats := new(counters)
 	c := &conn{
-		nc: nc.(*net.UnixConn), opts: &opts, stats: &stats,
-		slots: make(chan struct{}, 4), sendq: make(chan *call, 4), done: make(chan struct{}),
+		nc: nc.(*net.UnixConn), opts: &opts, stats: stats,
+		slots: make(chan struct{}, len(calls)), sendq: make(chan *call, len(calls)), done: make(chan struct{}),
 		pending: make(map[uint64]*call),
 	}
-	queued := &call{id: 1, done: make(chan result, 1)}
-	written := &call{id: 2, done: make(chan result, 1)}
-	ffQueued := &call{id: 3, fireAndForget: true, paths: 7}
-	ffWritten := &call{id: 4, fireAndForget: true}
-	for _, k := range []*call{queued, written, ffQueued, ffWritten} {
+	for _, k := range calls {
 		if !c.tryAcquire() {
 			t.Fatal("no slot")
 		}
@@ -427,8 +450,22 @@ func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	written.state.Store(callTaken)
-	ffWritten.state.Store(callTaken)
+	for _, k := range written {
+		k.state.Store(callTaken)
+	}
+	return c, stats
+}
+
+// When a connection ends, each call on it is settled by whether the writer had taken it:
+// a sync call not yet written comes back as errNotSent (the client sends it elsewhere), a
+// written one as ErrConnectionLost; a fire-and-forget one is Lost either way. A refusal
+// answers every call alike.
+func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
+	queued := &call{id: 1, done: make(chan result, 1)}
+	written := &call{id: 2, done: make(chan result, 1)}
+	ffQueued := &call{id: 3, fireAndForget: true, paths: 7}
+	ffWritten := &call{id: 4, fireAndForget: true}
+	c, stats := idleConn(t, []*call{queued, written, ffQueued, ffWritten}, written, ffWritten)
 	c.fail(errors.New("daemon went away"))
 
 	if res := <-queued.done; res.err != errNotSent {
@@ -445,5 +482,26 @@ func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
 	}
 	if err := c.send(&call{id: 5}); err != errNotSent {
 		t.Fatalf("send on an ended connection: %v", err)
+	}
+}
+
+func TestARefusedConnectionAnswersEachCallWithTheRefusal(t *testing.T) {
+	queued := &call{id: 1, done: make(chan result, 1)}
+	written := &call{id: 2, done: make(chan result, 1)}
+	ff := &call{id: 3, fireAndForget: true}
+	c, stats := idleConn(t, []*call{queued, written, ff}, written)
+	c.fail(&ServerError{Code: CodeForbidden, Message: "this user may not"})
+
+	for _, k := range []*call{queued, written} {
+		var se *ServerError
+		if res := <-k.done; !errors.As(res.err, &se) || se.Code != CodeForbidden || se.RequestID != k.id {
+			t.Fatalf("call %d: %v, want its refusal", k.id, res.err)
+		}
+	}
+	if got := stats.snapshot(); got.Refused != 1 || got.Lost != 0 {
+		t.Fatalf("fire-and-forget call: %+v", got)
+	}
+	if got := c.refusal(); got == nil || got.Code != CodeForbidden {
+		t.Fatalf("the connection's refusal: %v", got)
 	}
 }

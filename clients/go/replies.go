@@ -56,6 +56,12 @@ func decodeReply(dec *msgpack.Decoder, src *bytes.Reader, payload []byte) (*repl
 	return r, nil
 }
 
+// refusal tells the daemon's refusal of this peer: `forbidden` without an id, sent as it
+// accepts a connection from a user it does not allow, before it closes it.
+func (r *reply) refusal() bool {
+	return r.ID == nil && r.OK != nil && !*r.OK && r.Error != nil && r.Error.Code == CodeForbidden
+}
+
 // check turns `ok: false` into a *ServerError.
 func (r *reply) check() error {
 	if r.OK == nil {
