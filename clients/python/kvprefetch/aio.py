@@ -1,22 +1,17 @@
 """asyncio client: any number of concurrent calls share one connection.
 
-A background task reads replies and resolves each call's future by id, so calls are truly
+Replies are handed to each call's future by id as they arrive, so calls are truly
 pipelined: `await asyncio.gather(*(c.prefetch(b, wait=True) for b in batches))` puts every
 request on the wire at once and each await returns as its own reply lands.
-
-The client drives its socket itself (loop.sock_recv, loop.sock_sendall) rather than through
-asyncio streams: a stream whose write fails discards what the daemon sent before it closed,
-and that can be the very reply the call is owed (a `forbidden` refusal).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from kvprefetch import protocol
 from kvprefetch.errors import (
@@ -39,17 +34,117 @@ class _Waiter:
     extra_s: float  # a `wait` request's timeout_ms, added to the client's timeout
 
 
-@dataclass(slots=True, eq=False)
-class _Connection:
-    sock: socket.socket
-    frames: protocol.FrameBuffer
-    # Sent, reply not yet read. A waiter whose caller gave up (timeout, cancellation) stays
-    # until its late reply arrives, so that reply is recognised and dropped.
-    in_flight: dict[int, _Waiter] = field(default_factory=dict)
-    # Held while a frame goes out, so concurrent senders never interleave their bytes.
-    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
-    reader_task: asyncio.Task[None] | None = None
-    closed: bool = False
+class _Connection(asyncio.Protocol):
+    """One connection, as the event loop drives it.
+
+    Frames go out whole through the transport's buffer, so concurrent senders never
+    interleave; replies go to their calls as they arrive. When a write fails because the
+    daemon closed first, the transport ends without reading what the daemon sent before it
+    closed, which can be the very reply a call is owed (a refusal): connection_lost reads
+    it through `spare`, a second descriptor of the socket.
+    """
+
+    def __init__(self, socket_path: str, max_frame: int) -> None:
+        self.socket_path = socket_path
+        self.frames = protocol.FrameBuffer(max_frame)
+        # Sent, reply not yet read. A waiter whose caller gave up (timeout, cancellation)
+        # stays until its late reply arrives, so that reply is recognised and dropped.
+        self.in_flight: dict[int, _Waiter] = {}
+        self.closed = False
+        self.error: KVPrefetchError | None = None  # why it closed
+        self.refusal: Reply | None = None  # the daemon's, if it refused this connection
+        self.ended = asyncio.get_running_loop().create_future()  # once connection_lost ran
+        self.drained: asyncio.Future[None] | None = None  # while the write buffer is full
+
+    # --- asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.spare = cast(socket.socket, transport.get_extra_info("socket")).dup()
+        self.spare.setblocking(False)
+
+    def data_received(self, data: bytes) -> None:
+        self.take(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.read_left()
+        self.spare.close()
+        path = self.socket_path
+        self.retire(
+            ConnectionClosed(f"connection to {path} lost: {exc}")
+            if exc is not None
+            else ConnectionClosed(f"kvprefetchd at {path} closed the connection")
+        )
+        self.resume_writing()
+        self.ended.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        self.drained = None
+
+    # --- replies --------------------------------------------------------------------------
+
+    def take(self, data: bytes) -> None:
+        """Hand every complete reply in `data` to the calls it answers."""
+        if self.closed:
+            return  # retired: what still arrives is nobody's
+        self.frames.feed(data)
+        try:
+            while (reply := self.frames.pop()) is not None:
+                for request_id, answer in protocol.answers(reply, self.in_flight):
+                    waiter = self.in_flight.pop(request_id)
+                    if not waiter.future.done():
+                        waiter.future.set_result(answer)
+                if protocol.is_refusal(reply):
+                    # Every call on it is answered; the next one connects anew.
+                    self.refusal = reply
+                    self.retire(ConnectionClosed(f"kvprefetchd at {self.socket_path} refused"))
+        except ProtocolError as exc:
+            self.retire(exc)
+
+    def read_left(self) -> None:
+        """Take what the daemon sent that the transport did not read: the kernel hands it
+        over before it reports the close."""
+        try:
+            while data := self.spare.recv(READ_CHUNK_BYTES):
+                self.take(data)
+        except OSError:
+            pass  # nothing more (BlockingIOError), or the reset itself
+
+    def enlist(self, request_id: int, waiter: _Waiter) -> None:
+        """Put a call in flight before its first byte goes out: the daemon may answer before
+        the write is done (a refusal, an id-less error). On a connection that ended already,
+        even while it was being opened, the call is answered at once: refused, or failed."""
+        if not self.closed:
+            self.in_flight[request_id] = waiter
+        elif self.refusal is not None:
+            waiter.future.set_result({**self.refusal, "id": request_id})
+        else:
+            waiter.future.set_exception(self.error or ConnectionClosed("connection closed"))
+
+    def retire(self, error: KVPrefetchError) -> None:
+        """Fail every call in flight and drop the connection; the next call opens another."""
+        if self.closed:
+            return
+        self.closed = True
+        self.error = error
+        for waiter in self.in_flight.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+        self.in_flight.clear()
+        self.transport.abort()
+
+    async def drain(self) -> None:
+        """Wait while the write buffer is full. On a connection that is ending, let
+        connection_lost run first: it answers or fails the calls on it."""
+        if self.drained is not None:
+            await asyncio.shield(self.drained)
+        else:
+            await asyncio.sleep(0)
 
 
 class AsyncClient(Operations):
@@ -76,16 +171,15 @@ class AsyncClient(Operations):
     async def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            self._retire(conn, ConnectionClosed("client closed"))
-            if conn.reader_task is not None:
-                await conn.reader_task  # it sees the shutdown at once, and closes the socket
+            conn.retire(ConnectionClosed("client closed"))
+            await conn.ended
         self._uncollected.clear()
 
     async def _connection(self) -> _Connection:
         """The live connection, made anew when the last one broke.
 
-        The reader task notices a closed peer as soon as the loop runs it, so an idle client
-        usually reconnects here after a daemon restart without failing any call.
+        A closed peer is noticed as soon as the loop reads it, so an idle client usually
+        reconnects here after a daemon restart without failing any call.
         """
         async with self._connecting:
             if self._conn is None or self._conn.closed:
@@ -93,78 +187,18 @@ class AsyncClient(Operations):
             return self._conn
 
     async def _open(self) -> _Connection:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
         try:
-            connecting = asyncio.get_running_loop().sock_connect(sock, self.socket_path)
-            await asyncio.wait_for(connecting, self.timeout)
-        except BaseException as exc:
-            sock.close()
-            if isinstance(exc, OSError):  # TimeoutError included
-                cause = OSError("connect timed out") if isinstance(exc, TimeoutError) else exc
-                raise ConnectFailed(self.socket_path, cause) from exc
-            raise
-        conn = _Connection(sock, protocol.FrameBuffer(self.max_frame))
-        conn.reader_task = asyncio.create_task(self._read_replies(conn))
+            _, conn = await asyncio.wait_for(
+                loop.create_unix_connection(
+                    lambda: _Connection(self.socket_path, self.max_frame), self.socket_path
+                ),
+                self.timeout,
+            )
+        except OSError as exc:  # TimeoutError included
+            cause = OSError("connect timed out") if isinstance(exc, TimeoutError) else exc
+            raise ConnectFailed(self.socket_path, cause) from exc
         return conn
-
-    async def _read_replies(self, conn: _Connection) -> None:
-        """Read replies until the connection ends; then close its socket, the last user."""
-        error: KVPrefetchError = ConnectionClosed(
-            f"kvprefetchd at {self.socket_path} closed the connection"
-        )
-        try:
-            while data := await asyncio.get_running_loop().sock_recv(conn.sock, READ_CHUNK_BYTES):
-                self._take(conn, data)
-        except ProtocolError as exc:
-            error = exc
-        except OSError as exc:
-            error = ConnectionClosed(f"connection to {self.socket_path} lost: {exc}")
-        finally:
-            self._retire(conn, error)
-            async with conn.sending:  # a write under way fails at once on the shut socket
-                conn.sock.close()
-
-    def _take(self, conn: _Connection, data: bytes) -> None:
-        """Hand every complete reply in `data` to the calls it answers."""
-        if conn.closed:
-            return  # retired: what still arrives is nobody's
-        conn.frames.feed(data)
-        while (reply := conn.frames.pop()) is not None:
-            for request_id, answer in protocol.answers(reply, conn.in_flight):
-                waiter = conn.in_flight.pop(request_id)
-                if not waiter.future.done():
-                    waiter.future.set_result(answer)
-            if protocol.is_refusal(reply):
-                # Every request on it is answered; the next call connects anew.
-                self._retire(conn, ConnectionClosed(f"kvprefetchd at {self.socket_path} refused"))
-                return
-
-    def _read_left(self, conn: _Connection) -> None:
-        """Take what the daemon sent before the connection broke: the kernel hands it over
-        before it reports the close."""
-        try:
-            while data := conn.sock.recv(READ_CHUNK_BYTES):
-                self._take(conn, data)
-        except ProtocolError as exc:
-            self._retire(conn, exc)
-        except OSError:
-            pass  # nothing more (BlockingIOError), or the reset itself
-
-    def _retire(self, conn: _Connection, error: KVPrefetchError) -> None:
-        """Fail everything in flight on `conn` and shut it down; the next call opens a new
-        connection. The shutdown wakes the reader, which closes the socket."""
-        if conn.closed:
-            return
-        conn.closed = True
-        for waiter in conn.in_flight.values():
-            if not waiter.future.done():
-                waiter.future.set_exception(error)
-        conn.in_flight.clear()
-        if self._conn is conn:
-            self._conn = None
-        with contextlib.suppress(OSError):
-            conn.sock.shutdown(socket.SHUT_RDWR)
 
     # --- pipelining primitives ------------------------------------------------------------
 
@@ -176,38 +210,23 @@ class AsyncClient(Operations):
         waiter = _Waiter(
             asyncio.get_running_loop().create_future(), protocol.wait_allowance_s(request)
         )
-        # In flight before its first byte goes out: the daemon may answer before the write
-        # is done (a refusal, an id-less error).
-        conn.in_flight[request_id] = waiter
-        # The write is a task of its own, so a caller cancelled mid-frame never leaves half
-        # a frame on the wire.
-        write = asyncio.ensure_future(self._write(conn, frame))
-        try:
-            await asyncio.wait_for(asyncio.shield(write), self.timeout)
-        except TimeoutError as exc:
-            # Part of the frame may be out, so the stream is no longer trusted.
-            error = Timeout(f"sending to {self.socket_path} timed out")
-            conn.in_flight.pop(request_id, None)  # raised here, not through the future
-            self._retire(conn, error)
-            raise error from exc
+        conn.enlist(request_id, waiter)
+        if not conn.closed:
+            conn.transport.write(frame)
+        if conn.drained is not None or conn.transport.is_closing():
+            try:
+                await asyncio.wait_for(conn.drain(), self.timeout)
+            except TimeoutError as exc:
+                # Part of the frame may be out, so the stream is no longer trusted.
+                error = Timeout(f"sending to {self.socket_path} timed out")
+                conn.in_flight.pop(request_id, None)  # raised here, not through the future
+                conn.retire(error)
+                raise error from exc
         lost = waiter.future.exception() if waiter.future.done() else None
         if lost is not None:
             raise lost
         self._uncollected[request_id] = waiter
         return request_id
-
-    async def _write(self, conn: _Connection, frame: bytes) -> None:
-        """Put `frame` on the wire whole. A failed write ends the connection, once what the
-        daemon sent before it closed is read: a refusal still answers its requests."""
-        async with conn.sending:
-            if conn.closed:
-                return  # its requests are answered or failed already
-            try:
-                await asyncio.get_running_loop().sock_sendall(conn.sock, frame)
-            except OSError as exc:
-                self._read_left(conn)
-                lost = ConnectionClosed(f"connection to {self.socket_path} lost: {exc}")
-                self._retire(conn, lost)
 
     async def recv(self, request_id: int) -> Reply:
         """The reply to `request_id`, as it is: `ok: false` replies are returned, not raised."""
@@ -223,8 +242,11 @@ class AsyncClient(Operations):
 
     # --- carrying the calls ---------------------------------------------------------------
 
-    def _bind(self, build: Callable[P, Exchange[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-        async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+    @staticmethod
+    def _method(
+        build: Callable[P, Exchange[T]],
+    ) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+        async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
             return await self._perform(build(*args, **kwargs))
 
         return call
@@ -240,6 +262,8 @@ class AsyncClient(Operations):
             for request_id in ids:  # give up on the ones already sent
                 self._uncollected.pop(request_id).future.cancel()
             raise
+        if len(ids) == 1:  # most calls: no task to gather
+            return exchange.parse([await self.recv(ids[0])])
         replies: list[Reply] = []
         for reply in await asyncio.gather(*map(self.recv, ids), return_exceptions=True):
             if isinstance(reply, BaseException):

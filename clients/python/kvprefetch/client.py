@@ -12,7 +12,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvprefetch import protocol
 from kvprefetch.errors import ConnectFailed, ConnectionClosed, ProtocolError, Timeout
@@ -218,8 +218,9 @@ class Client(Operations):
 
     # --- carrying the calls ---------------------------------------------------------------
 
-    def _bind(self, build: Callable[P, Exchange[T]]) -> Callable[P, T]:
-        def call(*args: P.args, **kwargs: P.kwargs) -> T:
+    @staticmethod
+    def _method(build: Callable[P, Exchange[T]]) -> Callable[Concatenate[Client, P], T]:
+        def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
             return self._perform(build(*args, **kwargs))
 
         return call

@@ -52,17 +52,15 @@ class operation(Generic[P, T]):
     """A public call of both clients, defined by its builder.
 
     The builder is written in Operations' body without `self`: it only turns arguments into
-    an Exchange. Read from a client, it is that client's call: the builder's parameters and
-    docstring, a plain method on Client, a coroutine method on AsyncClient.
+    an Exchange. Each client class gets a real method for it, made once by the class's own
+    `_method` (Operations.__init_subclass__): the builder's name, parameters and docstring,
+    a plain method on Client, a coroutine method on AsyncClient. For type checkers this
+    descriptor says the same through its overloads.
     """
 
     def __init__(self, build: Callable[P, Exchange[T]]) -> None:
         self.build = build
         self.__doc__ = build.__doc__
-        self.name = build.__name__
-        # What help() and inspect show for the call: the builder's parameters; the result
-        # is the exchange's, not the Exchange.
-        self.signature = inspect.signature(build).replace(return_annotation=inspect.Signature.empty)
 
     @overload
     def __get__(self, client: None, owner: type[Any]) -> Self: ...
@@ -73,20 +71,22 @@ class operation(Generic[P, T]):
         self, client: AsyncClient, owner: type[Any] | None = None
     ) -> Callable[P, Coroutine[Any, Any, T]]: ...
     def __get__(self, client: Operations | None, owner: type[Any] | None = None) -> Any:
-        return self if client is None else self.bound(client)
+        if client is None:
+            return self
+        return self.method_for(type(client)).__get__(client)
 
-    def __repr__(self) -> str:
-        return f"<call {self.name}{self.signature}>"
-
-    def __call__(self, client: Operations, /, *args: P.args, **kwargs: P.kwargs) -> Any:
-        """`Client.ping(client)`, as with any method read from its class."""
-        return self.bound(client)(*args, **kwargs)
-
-    def bound(self, client: Operations) -> Callable[..., Any]:
-        call = client._bind(self.build)
-        functools.update_wrapper(call, self.build)
-        vars(call)["__signature__"] = self.signature
-        return call
+    def method_for(self, cls: type[Operations]) -> Callable[..., Any]:
+        """The method `cls` calls this operation by, shown as the builder with `self`."""
+        method = cls._method(self.build)
+        functools.update_wrapper(method, self.build)
+        method.__qualname__ = f"{cls.__qualname__}.{method.__name__}"
+        built = inspect.signature(self.build)
+        self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        vars(method)["__signature__"] = built.replace(
+            parameters=[self_parameter, *built.parameters.values()],
+            return_annotation=inspect.Signature.empty,
+        )
+        return method
 
 
 def _as_is(reply: Reply) -> Reply:
@@ -114,14 +114,23 @@ class Operations:
         self._ids = itertools.count(1)
         self._init_transport()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give each client class real methods for the calls (see operation), unless a class
+        on the way down defines its own."""
+        super().__init_subclass__(**kwargs)
+        for name, call in vars(Operations).items():
+            if isinstance(call, operation) and inspect.getattr_static(cls, name) is call:
+                setattr(cls, name, call.method_for(cls))
+
     # --- what each client provides ----------------------------------------------------------
 
     def _init_transport(self) -> None:
         """Set up the client's connection state (no connection is made yet)."""
         raise NotImplementedError
 
-    def _bind(self, build: Callable[..., Exchange[Any]]) -> Callable[..., Any]:
-        """A call that builds its exchange from the arguments and performs it."""
+    @staticmethod
+    def _method(build: Callable[..., Exchange[Any]]) -> Callable[..., Any]:
+        """A method that builds its exchange from the arguments and performs it."""
         raise NotImplementedError
 
     def _frame(self, request: Mapping[str, Any]) -> tuple[int, bytes]:
