@@ -95,35 +95,30 @@ def _parser() -> argparse.ArgumentParser:
     source = kv_request.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="NAME", help="a model profile configured in the daemon")
     source.add_argument(
-        "--profile",
-        metavar="FILE",
+        "--profile", metavar="FILE",
         help="an inline profile: a JSON or TOML file with `hash` and `layout` maps",
     )
     prompts = kv_request.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
-        "--tokens",
-        metavar="FILE",
+        "--tokens", metavar="FILE",
         help="token ids (- for stdin): a JSON array for one prompt, an array of arrays for "
         "several, or whitespace-separated integers",
     )
     prompts.add_argument(
-        "--block-hashes",
-        metavar="FILE",
+        "--block-hashes", metavar="FILE",
         help="block hashes the caller computed (- for stdin): hex strings, one per line; a "
         "blank line separates prompts",
     )
     kv_request.add_argument("--cache-salt", metavar="SALT", help="vLLM cache_salt of the prompts")
 
     resolve = commands.add_parser(
-        "resolve",
-        parents=[output, kv_request],
+        "resolve", parents=[output, kv_request],
         help="print the block hashes and file paths a KV request maps to (no I/O)",
     )
     resolve.set_defaults(run=_run_resolve, describe=_describe_resolve)
 
     warm_request = commands.add_parser(
-        "warm-request",
-        parents=[output, kv_request],
+        "warm-request", parents=[output, kv_request],
         help="warm the files of a KV request (prefetch_blocks)",
     )
     warm_request.add_argument("--wait", action="store_true", help="wait for every outcome")
@@ -215,9 +210,7 @@ def _run_warm_request(client: Client, args: argparse.Namespace) -> dict[str, Any
     if args.timeout_ms is not None and not args.wait:
         raise ValueError("--timeout-ms needs --wait")
     result = client.prefetch_blocks(
-        wait=args.wait,
-        read_bytes=args.read_bytes,
-        timeout_ms=args.timeout_ms,
+        wait=args.wait, read_bytes=args.read_bytes, timeout_ms=args.timeout_ms,
         **_kv_request(args),
     )
     return asdict(result)
@@ -267,11 +260,9 @@ def _load_structured(name: str) -> Any:
 def _parse_tokens(text: str, name: str) -> list[list[int]]:
     stripped = text.strip()
     try:
-        value = (
-            json.loads(stripped)
-            if stripped.startswith("[")
-            else [[int(word) for word in stripped.split()]]
-        )
+        value = json.loads(stripped) if stripped.startswith("[") else [
+            [int(word) for word in stripped.split()]
+        ]
     except ValueError as error:
         raise ValueError(f"{name}: not token ids: {error}") from None
     if value and all(isinstance(t, int) for t in value):
