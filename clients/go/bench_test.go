@@ -27,6 +27,7 @@ import (
 	"unsafe"
 
 	kvprefetch "github.com/kvprefetchd/kvprefetchd/clients/go"
+	"github.com/kvprefetchd/kvprefetchd/clients/go/internal/testwait"
 )
 
 const (
@@ -65,7 +66,7 @@ func fsConnectorPaths(b *testing.B, root string, n int) []string {
 func benchCalls(b *testing.B, opts kvprefetch.PrefetchOptions) {
 	d := sharedDaemon(b)
 	c := newClient(b, d.Socket, kvprefetch.Options{})
-	if _, err := c.Ping(within(b, 30*time.Second)); err != nil {
+	if _, err := c.Ping(testwait.Within(b, 30*time.Second)); err != nil {
 		b.Fatal(err)
 	}
 	sets := make([][]string, benchSets)

@@ -54,7 +54,8 @@ func (c *Client) SocketPath() string { return c.opts.SocketPath }
 func (c *Client) Counters() Counters { return c.stats.snapshot() }
 
 // Ping asks the daemon who it is. It waits for a connection until ctx ends (or
-// Options.CallTimeout without a deadline), so it also serves to wait for the daemon.
+// Options.CallTimeout without a deadline), so it also serves to wait for the daemon; a
+// daemon that refuses this peer answers at once (a *ServerError, CodeForbidden).
 func (c *Client) Ping(ctx context.Context) (PingResult, error) {
 	ctx, cancel := c.bound(ctx, 0)
 	defer cancel()

@@ -10,6 +10,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -68,6 +69,7 @@ type conn struct {
 	slots   chan struct{} // one token per request in flight (MaxInFlight)
 	sendq   chan *call    // frames for the writer; holds at most one per slot
 	done    chan struct{} // closed when the connection has ended
+	ended   atomic.Bool   // set just before done is closed: alive() is on every call's path
 	replies atomic.Uint64 // replies read, so the pool can tell a healthy connection
 
 	mu      sync.Mutex
@@ -97,14 +99,7 @@ func newConn(nc *net.UnixConn, opts *Options, stats *counters, wg *sync.WaitGrou
 	return c
 }
 
-func (c *conn) alive() bool {
-	select {
-	case <-c.done:
-		return false
-	default:
-		return true
-	}
-}
+func (c *conn) alive() bool { return !c.ended.Load() }
 
 func (c *conn) tryAcquire() bool {
 	select {
@@ -143,6 +138,7 @@ func (c *conn) fail(err error) {
 	pending := c.pending
 	c.pending = nil
 	c.mu.Unlock()
+	c.ended.Store(true)
 	close(c.done)
 	c.nc.Close()
 	for _, k := range pending {
@@ -150,18 +146,26 @@ func (c *conn) fail(err error) {
 	}
 }
 
-// settle ends a call that its connection can no longer answer. A call the writer never
-// took goes back to its caller as errNotSent (safe to send elsewhere); one it took may
-// have been acted on, so it is lost. A fire-and-forget call is lost either way: its
-// caller is gone, and such requests are never resent.
+// settle ends a call that its connection can no longer answer. A refused connection
+// answers each call with the refusal, written or not: every connection of this peer would
+// be refused alike. Otherwise a call the writer never took goes back to its caller as
+// errNotSent (safe to send elsewhere); one it took may have been acted on, so it is lost.
+// A fire-and-forget call is refused or lost: its caller is gone, and such requests are
+// never resent.
 func (c *conn) settle(k *call, err error) {
 	written := !k.state.CompareAndSwap(callQueued, callSettled)
 	c.release()
-	if k.fireAndForget {
+	var refusal *ServerError
+	refused := errors.As(err, &refusal)
+	switch {
+	case k.fireAndForget && refused:
+		c.stats.refused.Add(1)
+		return
+	case k.fireAndForget:
 		c.stats.lost.Add(1)
 		return
-	}
-	switch {
+	case refused:
+		err = &ServerError{Code: refusal.Code, Message: refusal.Message, RequestID: k.id}
 	case !written:
 		err = errNotSent
 	case !errors.Is(err, ErrClosed):
@@ -207,10 +211,25 @@ func (c *conn) writeLoop() {
 		}
 		batch, vecs = batch[:0], vecs[:0]
 		if err != nil {
-			c.fail(fmt.Errorf("writing to %s: %w", c.opts.SocketPath, err))
+			c.writeFailed(fmt.Errorf("writing to %s: %w", c.opts.SocketPath, err))
 			return
 		}
 	}
+}
+
+// writeFailed ends the connection after a failed write. A daemon that closed it may have
+// sent something first (a refusal), and the kernel hands that to the reader before it
+// reports the close: so when the peer is gone, the reader ends the connection, with what
+// it read.
+func (c *conn) writeFailed(err error) {
+	if errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) {
+		select {
+		case <-c.done:
+			return
+		case <-time.After(writeStall):
+		}
+	}
+	c.fail(err)
 }
 
 func (c *conn) write(vecs [][]byte) error {
@@ -253,6 +272,11 @@ func (c *conn) readLoop() error {
 			return c.readError(err)
 		}
 		r, err := decodeReply(dec, src, payload)
+		if err == nil && r.refusal() {
+			// The daemon refused this peer as it accepted it (`forbidden`, no id) and closes
+			// the connection: the refusal answers every call on it, whenever it was sent.
+			return &ServerError{Code: r.Error.Code, Message: r.Error.Message}
+		}
 		if err == nil {
 			err = c.dispatch(r)
 		}
@@ -305,6 +329,17 @@ func (c *conn) dispatch(r *reply) error {
 		c.stats.late.Add(1)
 	default:
 		k.done <- result{reply: r}
+	}
+	return nil
+}
+
+// refusal is the daemon's refusal of this peer if that is what ended the connection.
+func (c *conn) refusal() *ServerError {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var refusal *ServerError
+	if errors.As(c.err, &refusal) {
+		return refusal
 	}
 	return nil
 }

@@ -18,6 +18,7 @@ import (
 
 	kvprefetch "github.com/kvprefetchd/kvprefetchd/clients/go"
 	"github.com/kvprefetchd/kvprefetchd/clients/go/internal/daemontest"
+	"github.com/kvprefetchd/kvprefetchd/clients/go/internal/testwait"
 )
 
 // A model profile as the daemon's config knows it (the same one the Python KV tests use):
@@ -84,28 +85,10 @@ func newClient(t testing.TB, socket string, opts kvprefetch.Options) *kvprefetch
 	return c
 }
 
-func within(t testing.TB, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
-
-// eventually polls cond until it holds; a generous bound, since the machine is shared.
-func eventually(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestPing(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{})
-	ping, err := c.Ping(within(t, 30*time.Second))
+	ping, err := c.Ping(testwait.Within(t, 30*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +100,7 @@ func TestPing(t *testing.T) {
 func TestFireAndForgetPrefetchIsAckedAndCounted(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{})
-	if _, err := c.Ping(within(t, 30*time.Second)); err != nil { // connected before timing matters
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); err != nil { // connected before timing matters
 		t.Fatal(err)
 	}
 	paths := []string{"/etc/passwd"} // outside the root: rejected before any I/O
@@ -131,7 +114,7 @@ func TestFireAndForgetPrefetchIsAckedAndCounted(t *testing.T) {
 	if res.Accepted != 0 || res.Outcomes != nil {
 		t.Fatalf("fire-and-forget returns no result, got %+v", res)
 	}
-	eventually(t, "the acknowledgement", func() bool { return c.Counters().Acked == 1 })
+	testwait.Eventually(t, "the acknowledgement", func() bool { return c.Counters().Acked == 1 })
 	got := c.Counters()
 	if got.Sent != 1 || got.Dropped != 0 || got.FilesAccepted != 5 || got.FilesRejected != 1 || got.FilesDropped != 0 {
 		t.Fatalf("counters after one fire-and-forget prefetch: %+v", got)
@@ -141,7 +124,7 @@ func TestFireAndForgetPrefetchIsAckedAndCounted(t *testing.T) {
 func TestAckAndWaitReturnTheDaemonsCounts(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{})
-	ctx := within(t, 30*time.Second)
+	ctx := testwait.Within(t, 30*time.Second)
 	files := []string{d.MakeFile(t, "wait/a.bin", 100<<10), d.MakeFile(t, "wait/b.bin", 1000)}
 	absent := filepath.Join(d.Root, "wait/absent.bin")
 
@@ -183,7 +166,7 @@ func TestNonUTF8PathTravelsAsBin(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{})
 	path := d.MakeFile(t, "bin/caf\xe9.bin", 8192) // Latin-1 é: not UTF-8
-	res, err := c.Prefetch(within(t, 30*time.Second), []string{path}, kvprefetch.PrefetchOptions{Wait: true})
+	res, err := c.Prefetch(testwait.Within(t, 30*time.Second), []string{path}, kvprefetch.PrefetchOptions{Wait: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,7 +178,7 @@ func TestNonUTF8PathTravelsAsBin(t *testing.T) {
 func TestServerErrorsAreTypedAndTheConnectionGoesOn(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{PoolSize: 1})
-	ctx := within(t, 30*time.Second)
+	ctx := testwait.Within(t, 30*time.Second)
 	_, err := c.Prefetch(ctx, []string{filepath.Join(d.Root, "x")}, kvprefetch.PrefetchOptions{Ack: true, ReadBytes: 1 << 40})
 	var se *kvprefetch.ServerError
 	if !errors.As(err, &se) || se.Code != kvprefetch.CodeBadRequest || se.Message == "" {
@@ -212,7 +195,7 @@ func TestServerErrorsAreTypedAndTheConnectionGoesOn(t *testing.T) {
 	if _, err := c.Prefetch(ctx, []string{"/x"}, kvprefetch.PrefetchOptions{ReadBytes: 1 << 40}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the refusal", func() bool { return c.Counters().Refused == 1 })
+	testwait.Eventually(t, "the refusal", func() bool { return c.Counters().Refused == 1 })
 	if n := c.Counters().Connects; n != 1 {
 		t.Fatalf("errors must not cost the connection: %d connects", n)
 	}
@@ -232,7 +215,7 @@ func seq(from, to uint32) []uint32 {
 func TestResolveThenPrefetchBlocksByModel(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{})
-	ctx := within(t, 30*time.Second)
+	ctx := testwait.Within(t, 30*time.Second)
 	res, err := c.Resolve(ctx, kvprefetch.KVRequest{Model: "m", Prompts: twoPrompts})
 	if err != nil {
 		t.Fatal(err)
@@ -269,7 +252,7 @@ func TestResolveThenPrefetchBlocksByModel(t *testing.T) {
 	if _, err := c.PrefetchBlocks(ctx, kvprefetch.BlocksRequest{KVRequest: kvprefetch.KVRequest{Model: "m", Prompts: twoPrompts}}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the acknowledgement", func() bool { return c.Counters().Acked == 1 })
+	testwait.Eventually(t, "the acknowledgement", func() bool { return c.Counters().Acked == 1 })
 	if got := c.Counters().FilesAccepted; got != 12 {
 		t.Fatalf("fire-and-forget prefetch_blocks: %d files accepted, want 12", got)
 	}
@@ -294,14 +277,14 @@ func TestPrefetchBlocksWithInlineProfileAndBlockHashes(t *testing.T) {
 		},
 		BlockHashes: [][][]byte{hashes},
 	}
-	ack, err := c.PrefetchBlocks(within(t, 30*time.Second), kvprefetch.BlocksRequest{KVRequest: req, PrefetchOptions: kvprefetch.PrefetchOptions{Ack: true}})
+	ack, err := c.PrefetchBlocks(testwait.Within(t, 30*time.Second), kvprefetch.BlocksRequest{KVRequest: req, PrefetchOptions: kvprefetch.PrefetchOptions{Ack: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if ack.Files != 4 || ack.Accepted != 4 { // every 2nd hash names a file, on 2 ranks
 		t.Fatalf("prefetch_blocks with block hashes: %+v", ack)
 	}
-	res, err := c.Resolve(within(t, 30*time.Second), req)
+	res, err := c.Resolve(testwait.Within(t, 30*time.Second), req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -349,7 +332,7 @@ func TestPromptFieldsHashAsTheVectorsSay(t *testing.T) {
 		}
 		for _, tc := range vec.Cases {
 			in := tc.Inputs
-			res, err := c.Resolve(within(t, 30*time.Second), kvprefetch.KVRequest{
+			res, err := c.Resolve(testwait.Within(t, 30*time.Second), kvprefetch.KVRequest{
 				Hash: &kvprefetch.HashSpec{Algo: in.Hash.Algo, PythonHashSeed: in.Hash.PythonHashSeed, BlockSize: in.Hash.BlockSize, VLLMVersion: vec.Versions[0]},
 				Layout: &kvprefetch.Layout{RootDir: d.Root, ModelName: "org/model", Fingerprint: "0123456789ab",
 					KVCacheGroups: []kvprefetch.KVCacheGroup{{BlockSize: in.Hash.BlockSize}}, ConnectorBlockSizeTokens: in.Hash.BlockSize},
@@ -372,7 +355,7 @@ func TestPromptFieldsHashAsTheVectorsSay(t *testing.T) {
 func TestStats(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{})
-	ctx := within(t, 30*time.Second)
+	ctx := testwait.Within(t, 30*time.Second)
 	if _, err := c.Prefetch(ctx, []string{filepath.Join(d.Root, "s.bin")}, kvprefetch.PrefetchOptions{Ack: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -399,7 +382,7 @@ func TestStats(t *testing.T) {
 func TestPipelinedCallsOnOneConnection(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{PoolSize: 1, MaxInFlight: 4})
-	ctx := within(t, 60*time.Second)
+	ctx := testwait.Within(t, 60*time.Second)
 	var wg sync.WaitGroup
 	errs := make(chan error, 64)
 	for g := 0; g < 32; g++ {
@@ -435,20 +418,20 @@ func TestPipelinedCallsOnOneConnection(t *testing.T) {
 func TestDaemonRestartMidTest(t *testing.T) {
 	d := daemontest.Start(t, daemontest.Config{})
 	c := newClient(t, d.Socket, kvprefetch.Options{PoolSize: 2})
-	if _, err := c.Ping(within(t, 30*time.Second)); err != nil {
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); err != nil {
 		t.Fatal(err)
 	}
 	path := filepath.Join(d.Root, "restart.bin")
 	if _, err := c.Prefetch(context.Background(), []string{path}, kvprefetch.PrefetchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the first acknowledgement", func() bool { return c.Counters().Acked == 1 })
-	eventually(t, "both connections", func() bool { return c.Counters().Connects == 2 })
+	testwait.Eventually(t, "the first acknowledgement", func() bool { return c.Counters().Acked == 1 })
+	testwait.Eventually(t, "both connections", func() bool { return c.Counters().Connects == 2 })
 
 	if err := d.Stop(); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the client to see the daemon go", func() bool { return c.Counters().Disconnects == 2 })
+	testwait.Eventually(t, "the client to see the daemon go", func() bool { return c.Counters().Disconnects == 2 })
 
 	// While it is away: fire-and-forget drops at once (counted), waiting calls time out.
 	_, err := c.Prefetch(context.Background(), []string{path, path}, kvprefetch.PrefetchOptions{})
@@ -458,24 +441,24 @@ func TestDaemonRestartMidTest(t *testing.T) {
 	if got := c.Counters(); got.Dropped != 1 || got.DroppedPaths != 2 {
 		t.Fatalf("drop not counted: %+v", got)
 	}
-	_, err = c.Ping(within(t, 50*time.Millisecond))
+	_, err = c.Ping(testwait.Within(t, 50*time.Millisecond))
 	if !errors.Is(err, kvprefetch.ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("ping with the daemon down: %v", err)
 	}
-	eventually(t, "failed redials", func() bool { return c.Counters().DialFailures > 0 })
+	testwait.Eventually(t, "failed redials", func() bool { return c.Counters().DialFailures > 0 })
 
 	if err := d.Start(); err != nil {
 		t.Fatal(err)
 	}
 	// A waiting call waits for the reconnection; fire-and-forget works again once it is up.
-	if _, err := c.Ping(within(t, 30*time.Second)); err != nil {
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); err != nil {
 		t.Fatalf("ping after the restart: %v", err)
 	}
-	eventually(t, "both connections back", func() bool { return c.Counters().Connects == 4 })
+	testwait.Eventually(t, "both connections back", func() bool { return c.Counters().Connects == 4 })
 	if _, err := c.Prefetch(context.Background(), []string{path}, kvprefetch.PrefetchOptions{}); err != nil {
 		t.Fatalf("fire-and-forget after the restart: %v", err)
 	}
-	eventually(t, "the acknowledgement after the restart", func() bool { return c.Counters().Acked == 2 })
+	testwait.Eventually(t, "the acknowledgement after the restart", func() bool { return c.Counters().Acked == 2 })
 	if got := c.Counters(); got.Lost != 0 || got.ProtocolErrors != 0 || got.Sent != 2 {
 		t.Fatalf("counters after the restart: %+v", got)
 	}
@@ -484,12 +467,12 @@ func TestDaemonRestartMidTest(t *testing.T) {
 func TestCloseEndsCalls(t *testing.T) {
 	d := sharedDaemon(t)
 	c := newClient(t, d.Socket, kvprefetch.Options{})
-	if _, err := c.Ping(within(t, 30*time.Second)); err != nil {
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); err != nil {
 		t.Fatal(err)
 	}
 	c.Close()
 	c.Close() // idempotent
-	if _, err := c.Ping(within(t, time.Second)); !errors.Is(err, kvprefetch.ErrClosed) {
+	if _, err := c.Ping(testwait.Within(t, time.Second)); !errors.Is(err, kvprefetch.ErrClosed) {
 		t.Fatalf("ping after Close: %v", err)
 	}
 	_, err := c.Prefetch(context.Background(), []string{"/x"}, kvprefetch.PrefetchOptions{})

@@ -27,6 +27,10 @@ var (
 
 // ServerError is the daemon's `ok: false` reply. Code stays a plain string so that a newer
 // daemon's codes still reach the caller.
+//
+// A daemon that does not allow this peer refuses each connection as it accepts it
+// (CodeForbidden): every call then fails with that refusal, whether or not its request went
+// out (RequestID is 0 when it did not), until a connection is accepted again.
 type ServerError struct {
 	Code      string // CodeBadRequest, CodeOverloaded, ...
 	Message   string

@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvprefetchd/kvprefetchd/clients/go/internal/testwait"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -127,6 +128,15 @@ func serve(fc *fakeConn) {
 	}
 }
 
+// afterOne reads one request and hands it to then; nothing if the client went first.
+func afterOne(then func(fc *fakeConn, req map[string]any)) func(*fakeConn) {
+	return func(fc *fakeConn) {
+		if req := fc.read(); req != nil {
+			then(fc, req)
+		}
+	}
+}
+
 // silent reads every request and answers none.
 func silent(fc *fakeConn) {
 	for fc.read() != nil {
@@ -142,23 +152,6 @@ func fakeClient(t *testing.T, f *fake, opts Options) *Client {
 	}
 	t.Cleanup(func() { c.Close() })
 	return c
-}
-
-func ctxFor(t *testing.T, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
 }
 
 func paths(n int) []string {
@@ -180,7 +173,7 @@ func TestOutOfOrderRepliesReachTheirCallers(t *testing.T) {
 		serve(fc)
 	})
 	c := fakeClient(t, f, Options{PoolSize: 1})
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testwait.Within(t, 30*time.Second)
 	var wg sync.WaitGroup
 	got := make([]int, 2)
 	errs := make([]error, 2)
@@ -201,39 +194,62 @@ func TestOutOfOrderRepliesReachTheirCallers(t *testing.T) {
 }
 
 func TestIdlessErrorIsBlamedOnTheOldestRequest(t *testing.T) {
-	f := startFake(t, func(fc *fakeConn) {
-		if fc.read() == nil {
-			return
-		}
+	f := startFake(t, afterOne(func(fc *fakeConn, _ map[string]any) {
 		fc.write(map[string]any{"id": nil, "ok": false, "error": map[string]any{"code": "too_large", "message": "frame of 99 bytes"}})
 		serve(fc)
-	})
+	}))
 	c := fakeClient(t, f, Options{PoolSize: 1})
-	_, err := c.Ping(ctxFor(t, 30*time.Second))
+	_, err := c.Ping(testwait.Within(t, 30*time.Second))
 	var se *ServerError
 	if !errors.As(err, &se) || se.Code != CodeTooLarge {
 		t.Fatalf("want the too_large error, got %v", err)
 	}
-	if _, err := c.Ping(ctxFor(t, 30*time.Second)); err != nil {
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); err != nil {
 		t.Fatalf("the connection must go on: %v", err)
 	}
 }
 
-func TestUnknownIDEndsTheConnectionAndTheClientReconnects(t *testing.T) {
+// A daemon refuses a peer it does not allow as it accepts the connection: one `forbidden`
+// reply without an id, then it closes. Whether the refusal is read before or after a call
+// takes the connection, the call gets the refusal: never a protocol error, never a wait for
+// a connection that would be refused in turn.
+func TestARefusalAnswersTheCalls(t *testing.T) {
 	f := startFake(t, func(fc *fakeConn) {
-		if fc.read() == nil {
-			return
+		fc.write(map[string]any{"id": nil, "ok": false, "error": map[string]any{"code": "forbidden", "message": "this user may not"}})
+	})
+	c := fakeClient(t, f, Options{PoolSize: 1})
+	for i := 0; i < 3; i++ {
+		_, err := c.Ping(testwait.Within(t, 10*time.Second))
+		var se *ServerError
+		if !errors.As(err, &se) || se.Code != CodeForbidden {
+			t.Fatalf("call %d: want the forbidden refusal, got %v", i, err)
 		}
+	}
+	if _, err := c.Prefetch(context.Background(), paths(1), PrefetchOptions{}); err != nil {
+		var se *ServerError
+		if !errors.Is(err, ErrDropped) || !errors.As(err, &se) || se.Code != CodeForbidden {
+			t.Fatalf("fire-and-forget: want a drop for the refusal, got %v", err)
+		}
+	} else {
+		testwait.Eventually(t, "the refusal to be counted", func() bool { return c.Counters().Refused == 1 })
+	}
+	if got := c.Counters(); got.ProtocolErrors != 0 || got.Lost != 0 {
+		t.Fatalf("counters: %+v", got)
+	}
+}
+
+func TestUnknownIDEndsTheConnectionAndTheClientReconnects(t *testing.T) {
+	f := startFake(t, afterOne(func(fc *fakeConn, _ map[string]any) {
 		fc.write(map[string]any{"id": 999999, "ok": true})
 		silent(fc)
-	}, serve)
+	}), serve)
 	c := fakeClient(t, f, Options{PoolSize: 1})
-	_, err := c.Ping(ctxFor(t, 30*time.Second))
+	_, err := c.Ping(testwait.Within(t, 30*time.Second))
 	var pe *ProtocolError
 	if !errors.Is(err, ErrConnectionLost) || !errors.As(err, &pe) {
 		t.Fatalf("want a lost connection caused by a protocol error, got %v", err)
 	}
-	if _, err := c.Ping(ctxFor(t, 30*time.Second)); err != nil {
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); err != nil {
 		t.Fatalf("after reconnecting: %v", err)
 	}
 	if got := c.Counters(); got.ProtocolErrors != 1 || got.Connects != 2 {
@@ -242,15 +258,12 @@ func TestUnknownIDEndsTheConnectionAndTheClientReconnects(t *testing.T) {
 }
 
 func TestRunawayReplyFrameIsAProtocolError(t *testing.T) {
-	f := startFake(t, func(fc *fakeConn) {
-		if fc.read() == nil {
-			return
-		}
+	f := startFake(t, afterOne(func(fc *fakeConn, _ map[string]any) {
 		fc.writeRaw([]byte{0xff, 0xff, 0xff, 0xff})
 		silent(fc)
-	}, serve)
+	}), serve)
 	c := fakeClient(t, f, Options{PoolSize: 1})
-	_, err := c.Ping(ctxFor(t, 30*time.Second))
+	_, err := c.Ping(testwait.Within(t, 30*time.Second))
 	var pe *ProtocolError
 	if !errors.As(err, &pe) {
 		t.Fatalf("want a protocol error, got %v", err)
@@ -259,22 +272,18 @@ func TestRunawayReplyFrameIsAProtocolError(t *testing.T) {
 
 func TestLateRepliesAreCountedNotMisdelivered(t *testing.T) {
 	release := make(chan struct{})
-	f := startFake(t, func(fc *fakeConn) {
-		first := fc.read()
-		if first == nil {
-			return
-		}
+	f := startFake(t, afterOne(func(fc *fakeConn, first map[string]any) {
 		<-release
 		fc.write(answer(first))
 		serve(fc)
-	})
+	}))
 	c := fakeClient(t, f, Options{PoolSize: 1})
-	_, err := c.Ping(ctxFor(t, 20*time.Millisecond))
+	_, err := c.Ping(testwait.Within(t, 20*time.Millisecond))
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("want the deadline, got %v", err)
 	}
 	close(release)
-	res, err := c.Prefetch(ctxFor(t, 30*time.Second), paths(3), PrefetchOptions{Ack: true})
+	res, err := c.Prefetch(testwait.Within(t, 30*time.Second), paths(3), PrefetchOptions{Ack: true})
 	if err != nil || res.Accepted != 3 {
 		t.Fatalf("the next call must get its own reply: %+v, %v", res, err)
 	}
@@ -288,8 +297,8 @@ func TestLateRepliesAreCountedNotMisdelivered(t *testing.T) {
 func TestFireAndForgetDropsWhenEverySlotIsTaken(t *testing.T) {
 	f := startFake(t, silent)
 	c := fakeClient(t, f, Options{PoolSize: 1, MaxInFlight: 2})
-	waitFor(t, "a connection", func() bool { return c.Counters().Connects == 1 })
-	if _, err := c.Ping(ctxFor(t, 50*time.Millisecond)); !errors.Is(err, context.DeadlineExceeded) {
+	testwait.Eventually(t, "a connection", func() bool { return c.Counters().Connects == 1 })
+	if _, err := c.Ping(testwait.Within(t, 50*time.Millisecond)); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("silent daemon: %v", err) // connected, and one slot now held by the ping
 	}
 	if _, err := c.Prefetch(context.Background(), paths(1), PrefetchOptions{}); err != nil {
@@ -328,10 +337,10 @@ func TestWrittenRequestLostWithItsConnectionIsNotResent(t *testing.T) {
 		}
 	}, count)
 	c := fakeClient(t, f, Options{PoolSize: 1})
-	if _, err := c.Ping(ctxFor(t, 30*time.Second)); !errors.Is(err, ErrConnectionLost) {
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); !errors.Is(err, ErrConnectionLost) {
 		t.Fatalf("want ErrConnectionLost, got %v", err)
 	}
-	if _, err := c.Ping(ctxFor(t, 30*time.Second)); err != nil {
+	if _, err := c.Ping(testwait.Within(t, 30*time.Second)); err != nil {
 		t.Fatal(err)
 	}
 	if n := pings.Load(); n != 2 {
@@ -344,17 +353,17 @@ func TestFireAndForgetUnansweredWhenTheDaemonHangsUp(t *testing.T) {
 		fc.read() // take one request, then hang up without answering
 	})
 	c := fakeClient(t, f, Options{PoolSize: 1})
-	waitFor(t, "a connection", func() bool { return c.Counters().Connects == 1 })
+	testwait.Eventually(t, "a connection", func() bool { return c.Counters().Connects == 1 })
 	if _, err := c.Prefetch(context.Background(), paths(2), PrefetchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the loss to be counted", func() bool { return c.Counters().Lost == 1 })
+	testwait.Eventually(t, "the loss to be counted", func() bool { return c.Counters().Lost == 1 })
 }
 
 func TestOversizeRequestIsRefusedBeforeSending(t *testing.T) {
 	f := startFake(t, serve)
 	c := fakeClient(t, f, Options{MaxFrameBytes: 1024})
-	_, err := c.Prefetch(ctxFor(t, 30*time.Second), paths(500), PrefetchOptions{Ack: true})
+	_, err := c.Prefetch(testwait.Within(t, 30*time.Second), paths(500), PrefetchOptions{Ack: true})
 	if !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("ack: %v", err)
 	}
@@ -370,12 +379,12 @@ func TestNoDaemonIsUnavailableWithTheReason(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	waitFor(t, "a failed dial", func() bool { return c.Counters().DialFailures > 0 })
+	testwait.Eventually(t, "a failed dial", func() bool { return c.Counters().DialFailures > 0 })
 	_, err = c.Prefetch(context.Background(), paths(1), PrefetchOptions{})
 	if !errors.Is(err, ErrDropped) || !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("fire-and-forget: %v", err)
 	}
-	_, err = c.Ping(ctxFor(t, 30*time.Millisecond))
+	_, err = c.Ping(testwait.Within(t, 30*time.Millisecond))
 	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("ping: %v", err)
 	}
@@ -392,34 +401,28 @@ func TestOptionsAreChecked(t *testing.T) {
 	}
 }
 
-// When a connection ends, each call on it is settled by whether the writer had taken it:
-// a sync call not yet written comes back as errNotSent (the client sends it elsewhere), a
-// written one as ErrConnectionLost; a fire-and-forget one is Lost either way.
-func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
+// idleConn is a connection without its goroutines, so nothing takes its calls but the test:
+// each of calls is registered, those written marked as taken by the writer.
+func idleConn(t *testing.T, calls []*call, written ...*call) (*conn, *counters) {
 	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer syscall.Close(fds[1])
+	t.Cleanup(func() { syscall.Close(fds[1]) })
 	f := os.NewFile(uintptr(fds[0]), "pair")
 	nc, err := net.FileConn(f)
 	f.Close()
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts, _ := Options{SocketPath: "pair", MaxInFlight: 4}.withDefaults()
-	var stats counters
-	// The connection without its goroutines, so nothing takes the calls but the test.
+	opts, _ := Options{SocketPath: "pair", MaxInFlight: len(calls)}.withDefaults()
+	stats := new(counters)
 	c := &conn{
-		nc: nc.(*net.UnixConn), opts: &opts, stats: &stats,
-		slots: make(chan struct{}, 4), sendq: make(chan *call, 4), done: make(chan struct{}),
+		nc: nc.(*net.UnixConn), opts: &opts, stats: stats,
+		slots: make(chan struct{}, len(calls)), sendq: make(chan *call, len(calls)), done: make(chan struct{}),
 		pending: make(map[uint64]*call),
 	}
-	queued := &call{id: 1, done: make(chan result, 1)}
-	written := &call{id: 2, done: make(chan result, 1)}
-	ffQueued := &call{id: 3, fireAndForget: true, paths: 7}
-	ffWritten := &call{id: 4, fireAndForget: true}
-	for _, k := range []*call{queued, written, ffQueued, ffWritten} {
+	for _, k := range calls {
 		if !c.tryAcquire() {
 			t.Fatal("no slot")
 		}
@@ -427,8 +430,22 @@ func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	written.state.Store(callTaken)
-	ffWritten.state.Store(callTaken)
+	for _, k := range written {
+		k.state.Store(callTaken)
+	}
+	return c, stats
+}
+
+// When a connection ends, each call on it is settled by whether the writer had taken it:
+// a sync call not yet written comes back as errNotSent (the client sends it elsewhere), a
+// written one as ErrConnectionLost; a fire-and-forget one is Lost either way. A refusal
+// answers every call alike.
+func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
+	queued := &call{id: 1, done: make(chan result, 1)}
+	written := &call{id: 2, done: make(chan result, 1)}
+	ffQueued := &call{id: 3, fireAndForget: true, paths: 7}
+	ffWritten := &call{id: 4, fireAndForget: true}
+	c, stats := idleConn(t, []*call{queued, written, ffQueued, ffWritten}, written, ffWritten)
 	c.fail(errors.New("daemon went away"))
 
 	if res := <-queued.done; res.err != errNotSent {
@@ -445,5 +462,26 @@ func TestEndOfAConnectionSettlesEachCallByWhetherItWasWritten(t *testing.T) {
 	}
 	if err := c.send(&call{id: 5}); err != errNotSent {
 		t.Fatalf("send on an ended connection: %v", err)
+	}
+}
+
+func TestARefusedConnectionAnswersEachCallWithTheRefusal(t *testing.T) {
+	queued := &call{id: 1, done: make(chan result, 1)}
+	written := &call{id: 2, done: make(chan result, 1)}
+	ff := &call{id: 3, fireAndForget: true}
+	c, stats := idleConn(t, []*call{queued, written, ff}, written)
+	c.fail(&ServerError{Code: CodeForbidden, Message: "this user may not"})
+
+	for _, k := range []*call{queued, written} {
+		var se *ServerError
+		if res := <-k.done; !errors.As(res.err, &se) || se.Code != CodeForbidden || se.RequestID != k.id {
+			t.Fatalf("call %d: %v, want its refusal", k.id, res.err)
+		}
+	}
+	if got := stats.snapshot(); got.Refused != 1 || got.Lost != 0 {
+		t.Fatalf("fire-and-forget call: %+v", got)
+	}
+	if got := c.refusal(); got == nil || got.Code != CodeForbidden {
+		t.Fatalf("the connection's refusal: %v", got)
 	}
 }

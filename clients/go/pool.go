@@ -22,8 +22,9 @@ type pool struct {
 	next  atomic.Uint64 // round robin over conns
 
 	mu      sync.Mutex
-	ready   chan struct{} // closed, and replaced, whenever a connection comes up
+	ready   chan struct{} // closed, and replaced, whenever a connection comes up or is refused
 	lastErr error         // the last failed dial, for ErrUnavailable's message
+	refusal *ServerError  // the daemon refused the last connection that ended
 }
 
 func newPool(ctx context.Context, opts *Options, stats *counters, wg *sync.WaitGroup) *pool {
@@ -95,6 +96,7 @@ func (p *pool) keep(i int) {
 		<-c.done
 		p.conns[i].CompareAndSwap(c, nil)
 		p.stats.disconnects.Add(1)
+		p.setRefusal(c.refusal())
 		if c.replies.Load() > 0 || time.Since(born) >= p.opts.ReconnectMax {
 			// A connection that worked: the daemon restarted or dropped us. Come back fast.
 			delay = p.opts.ReconnectMin
@@ -140,6 +142,30 @@ func (p *pool) setLastErr(err error) {
 	p.mu.Unlock()
 }
 
+// setRefusal records whether the daemon refused the connection that just ended, and wakes
+// the callers waiting for a connection so that they see it.
+func (p *pool) setRefusal(refusal *ServerError) {
+	p.mu.Lock()
+	p.refusal = refusal
+	p.mu.Unlock()
+	if refusal != nil {
+		p.announce()
+	}
+}
+
+// refused is the daemon's refusal of this peer, if the last connection to end was refused.
+// Waiting for another connection would be waiting to be refused again, so a caller that
+// finds none up gets the refusal at once (its RequestID is 0: no connection took it).
+func (p *pool) refused() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.refusal == nil {
+		return nil
+	}
+	refusal := *p.refusal
+	return &refusal
+}
+
 func (p *pool) unavailable(cause error) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -183,6 +209,9 @@ func (p *pool) acquire(ctx context.Context) (*conn, error) {
 		ready := p.readyChan() // before pick, so an announcement in between is not missed
 		c := p.pick()
 		if c == nil {
+			if err := p.refused(); err != nil {
+				return nil, err
+			}
 			select {
 			case <-ready:
 				continue

@@ -107,46 +107,26 @@ type mapWriter struct {
 	err error
 }
 
-func (w *mapWriter) mapLen(n int) {
+// put makes one encoder call, unless an earlier one failed.
+func put[T any](w *mapWriter, encode func(*msgpack.Encoder, T) error, v T) {
 	if w.err == nil {
-		w.err = w.enc.EncodeMapLen(n)
+		w.err = encode(w.enc, v)
 	}
 }
 
-func (w *mapWriter) str(s string) {
-	if w.err == nil {
-		w.err = w.enc.EncodeString(s)
-	}
-}
-
-func (w *mapWriter) uint(n uint64) {
-	if w.err == nil {
-		w.err = w.enc.EncodeUint(n)
-	}
-}
-
-func (w *mapWriter) bool(b bool) {
-	if w.err == nil {
-		w.err = w.enc.EncodeBool(b)
-	}
-}
-
-func (w *mapWriter) arrayLen(n int) {
-	if w.err == nil {
-		w.err = w.enc.EncodeArrayLen(n)
-	}
-}
+func (w *mapWriter) mapLen(n int)   { put(w, (*msgpack.Encoder).EncodeMapLen, n) }
+func (w *mapWriter) arrayLen(n int) { put(w, (*msgpack.Encoder).EncodeArrayLen, n) }
+func (w *mapWriter) str(s string)   { put(w, (*msgpack.Encoder).EncodeString, s) }
+func (w *mapWriter) uint(n uint64)  { put(w, (*msgpack.Encoder).EncodeUint, n) }
+func (w *mapWriter) bool(b bool)    { put(w, (*msgpack.Encoder).EncodeBool, b) }
 
 // path writes a path as the protocol wants it: msgpack str when it is valid UTF-8, else
 // bin, since a str must hold UTF-8 and Linux file names need not.
 func (w *mapWriter) path(p string) {
-	if w.err != nil {
-		return
-	}
 	if utf8.ValidString(p) {
-		w.err = w.enc.EncodeString(p)
+		w.str(p)
 	} else {
-		w.err = w.enc.EncodeBytes([]byte(p))
+		put(w, (*msgpack.Encoder).EncodeBytes, []byte(p))
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -90,24 +91,14 @@ func TestPrefetchFrameFields(t *testing.T) {
 
 func ptr[T any](v T) *T { return &v }
 
+// toInt reads an integer of decodeFrame's map, whatever width msgpack gave it; -1 for
+// anything else.
 func toInt(v any) int64 {
-	switch n := v.(type) {
-	case int8:
-		return int64(n)
-	case int16:
-		return int64(n)
-	case int32:
-		return int64(n)
-	case int64:
-		return n
-	case uint8:
-		return int64(n)
-	case uint16:
-		return int64(n)
-	case uint32:
-		return int64(n)
-	case uint64:
-		return int64(n)
+	switch n := reflect.ValueOf(v); {
+	case n.CanInt():
+		return n.Int()
+	case n.CanUint():
+		return int64(n.Uint())
 	}
 	return -1
 }

@@ -56,6 +56,12 @@ func decodeReply(dec *msgpack.Decoder, src *bytes.Reader, payload []byte) (*repl
 	return r, nil
 }
 
+// refusal tells the daemon's refusal of this peer: `forbidden` without an id, sent as it
+// accepts a connection from a user it does not allow, before it closes it.
+func (r *reply) refusal() bool {
+	return r.ID == nil && r.OK != nil && !*r.OK && r.Error != nil && r.Error.Code == CodeForbidden
+}
+
 // check turns `ok: false` into a *ServerError.
 func (r *reply) check() error {
 	if r.OK == nil {
@@ -74,32 +80,38 @@ func (r *reply) check() error {
 	return e
 }
 
-func missing(field string) error {
-	return &ProtocolError{Reason: "reply lacks '" + field + "'"}
+// field is a reply field an op requires, and whether the reply has it.
+type field struct {
+	name    string
+	present bool
+}
+
+// required names the first required field the reply lacks.
+func required(fields ...field) error {
+	for _, f := range fields {
+		if !f.present {
+			return missing(f.name)
+		}
+	}
+	return nil
+}
+
+func missing(name string) error {
+	return &ProtocolError{Reason: "reply lacks '" + name + "'"}
 }
 
 func (r *reply) ping() (PingResult, error) {
-	switch {
-	case r.Version == nil:
-		return PingResult{}, missing("version")
-	case r.Protocol == nil:
-		return PingResult{}, missing("protocol")
-	case r.Engine == nil:
-		return PingResult{}, missing("engine")
-	case r.Workers == nil:
-		return PingResult{}, missing("workers")
+	if err := required(field{"version", r.Version != nil}, field{"protocol", r.Protocol != nil},
+		field{"engine", r.Engine != nil}, field{"workers", r.Workers != nil}); err != nil {
+		return PingResult{}, err
 	}
 	return PingResult{Version: *r.Version, Protocol: *r.Protocol, Engine: *r.Engine, Workers: *r.Workers}, nil
 }
 
 func (r *reply) prefetch() (PrefetchResult, error) {
-	switch {
-	case r.Accepted == nil:
-		return PrefetchResult{}, missing("accepted")
-	case r.Dropped == nil:
-		return PrefetchResult{}, missing("dropped")
-	case r.Rejected == nil:
-		return PrefetchResult{}, missing("rejected")
+	if err := required(field{"accepted", r.Accepted != nil}, field{"dropped", r.Dropped != nil},
+		field{"rejected", r.Rejected != nil}); err != nil {
+		return PrefetchResult{}, err
 	}
 	res := PrefetchResult{Accepted: *r.Accepted, Dropped: *r.Dropped, Rejected: *r.Rejected, Outcomes: r.Outcomes}
 	if r.ElapsedUS != nil {
@@ -112,11 +124,8 @@ func (r *reply) prefetch() (PrefetchResult, error) {
 }
 
 func (r *reply) resolution() (Resolution, error) {
-	if r.BlockHashes == nil {
-		return Resolution{}, missing("block_hashes")
-	}
-	if r.Paths == nil {
-		return Resolution{}, missing("paths")
+	if err := required(field{"block_hashes", r.BlockHashes != nil}, field{"paths", r.Paths != nil}); err != nil {
+		return Resolution{}, err
 	}
 	res := Resolution{BlockHashes: r.BlockHashes, Paths: r.Paths}
 	if r.Fingerprint != nil {

@@ -104,17 +104,13 @@ func (p Prompt) EncodeMsgpack(enc *msgpack.Encoder) error {
 		w.str("cache_salt")
 		w.str(*p.CacheSalt)
 	}
-	if w.err == nil && p.LoRA != nil {
+	if p.LoRA != nil {
 		w.str("lora")
-		if w.err == nil {
-			w.err = enc.Encode(p.LoRA)
-		}
+		put(&w, (*msgpack.Encoder).Encode, any(p.LoRA))
 	}
-	if w.err == nil && len(p.MMFeatures) > 0 {
+	if len(p.MMFeatures) > 0 {
 		w.str("mm_features")
-		if w.err == nil {
-			w.err = enc.Encode(p.MMFeatures)
-		}
+		put(&w, (*msgpack.Encoder).Encode, any(p.MMFeatures))
 	}
 	return w.err
 }

@@ -4,7 +4,8 @@ It listens on a real Unix socket and speaks protocol v1 with the test harness's 
 (kvharness.wire, not the client's), so a framing bug in the client cannot hide behind the
 same bug in the server.
 Knobs on the instance make it misbehave in the ways a real daemon can: slow replies,
-out-of-order `wait` replies, error replies, hang-ups, restarts, dribbled frames.
+out-of-order `wait` replies, error replies, hang-ups, restarts, dribbled frames, refused
+peers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class FakeDaemon:
         self.hang_up_on: set[str] = set()  # ops that make the daemon close the connection
         self.wrong_id = False  # echo a different id (a daemon bug)
         self.dribble_s = 0.0  # pause this long between the first 3 bytes and the rest
+        # Refuse every connection as the daemon refuses a peer it does not allow: a
+        # `forbidden` reply without id as soon as it is accepted, then closed, unread.
+        self.refuse = False
+        self.refused = threading.Event()  # set once a connection was refused and closed
         self.max_frame = 16 * 1024 * 1024
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
@@ -92,12 +97,19 @@ class FakeDaemon:
                 continue
             except OSError:
                 return
+            with self._lock:
+                self.connections += 1
+            if self.refuse:
+                with contextlib.suppress(OSError):
+                    conn.sendall(pack(_error(None, "forbidden", "this user may not")))
+                conn.close()
+                self.refused.set()
+                continue
             conn.settimeout(None)
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             with self._lock:
                 self._conns.append(conn)
                 self._threads.append(thread)
-                self.connections += 1
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:

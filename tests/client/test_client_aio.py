@@ -102,6 +102,37 @@ def test_an_error_without_id_goes_to_the_request_in_flight(daemon: FakeDaemon) -
     run(daemon, body)
 
 
+def test_a_refusal_waiting_on_the_socket_answers_the_next_call(daemon: FakeDaemon) -> None:
+    daemon.refuse = True
+
+    async def body(c: AsyncClient) -> None:
+        await c.connect()
+        # Blocking the loop: the refusal and the close are in before the client reads or
+        # writes anything, so its write fails with the refusal still unread.
+        assert daemon.refused.wait(5)
+        with pytest.raises(ServerError) as info:
+            await c.ping()
+        assert (info.value.code, info.value.request_id) == ("forbidden", 1)
+        with pytest.raises(ServerError, match="forbidden"):
+            await c.stats()  # a new connection, refused in turn
+        daemon.refuse = False
+        assert (await c.ping()).workers == 2
+
+    run(daemon, body)
+
+
+def test_a_refusal_answers_every_call_in_flight(daemon: FakeDaemon) -> None:
+    daemon.refuse = True
+
+    async def body(c: AsyncClient) -> None:
+        big = [f"/kv/{i:06}.bin" for i in range(60_000)]  # far beyond the socket buffers
+        calls = [c.prefetch(big), c.ping(), c.prefetch_many([["/a"], ["/b"]])]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            assert isinstance(outcome, ServerError) and outcome.code == "forbidden", outcome
+
+    run(daemon, body)
+
+
 def test_timeout_then_the_late_reply_is_dropped(daemon: FakeDaemon) -> None:
     daemon.delay_s["ping"] = 0.3
 

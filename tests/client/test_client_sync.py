@@ -112,6 +112,44 @@ def test_an_error_without_id_goes_to_the_request_in_flight(
     assert client.ping().workers == 2  # the daemon skipped the frame; the stream is intact
 
 
+def test_a_refusal_waiting_on_the_socket_answers_the_next_call(
+    client: Client, daemon: FakeDaemon
+) -> None:
+    # The daemon refuses a peer as it accepts it, before any request: the refusal is read
+    # while the call's frame goes out, so the call must already be in flight by then.
+    daemon.refuse = True
+    client.connect()
+    assert daemon.refused.wait(5)
+    with pytest.raises(ServerError) as info:
+        client.ping()
+    assert (info.value.code, info.value.request_id) == ("forbidden", 1)
+    with pytest.raises(ServerError, match="forbidden"):
+        client.stats()  # a new connection, refused in turn
+    daemon.refuse = False
+    assert client.ping().workers == 2
+
+
+def test_a_refusal_mid_write_answers_the_request_being_written(
+    client: Client, daemon: FakeDaemon
+) -> None:
+    # A frame far larger than the socket buffers: the refusal comes, and the daemon
+    # closes, long before the client could finish writing it.
+    daemon.refuse = True
+    with pytest.raises(ServerError) as info:
+        client.prefetch([f"/kv/{i:06}.bin" for i in range(60_000)])
+    assert (info.value.code, info.value.request_id) == ("forbidden", 1)
+
+
+def test_a_refusal_answers_every_request_of_a_pipeline(
+    client: Client, daemon: FakeDaemon
+) -> None:
+    daemon.refuse = True
+    with pytest.raises(ServerError, match="forbidden"):
+        client.prefetch_many([["/a"], ["/b"], ["/c"]])
+    with pytest.raises(RuntimeError):
+        client.recv()  # nothing left behind
+
+
 def test_timeout_then_the_late_reply_is_skipped(client: Client, daemon: FakeDaemon) -> None:
     client.timeout = 0.1
     daemon.delay_s["ping"] = 0.3

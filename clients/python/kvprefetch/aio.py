@@ -1,6 +1,6 @@
 """asyncio client: any number of concurrent calls share one connection.
 
-A background task reads replies and resolves each call's future by id, so calls are truly
+Replies are handed to each call's future by id as they arrive, so calls are truly
 pipelined: `await asyncio.gather(*(c.prefetch(b, wait=True) for b in batches))` puts every
 request on the wire at once and each await returns as its own reply lands.
 """
@@ -8,15 +8,12 @@ request on the wire at once and each await returns as its own reply lands.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
-import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any
+import socket
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
-from kvprefetch import protocol, results
+from kvprefetch import protocol
 from kvprefetch.errors import (
     ConnectFailed,
     ConnectionClosed,
@@ -24,10 +21,11 @@ from kvprefetch.errors import (
     ProtocolError,
     Timeout,
 )
-from kvprefetch.protocol import MAX_FRAME_BYTES, PathLike, Reply, default_socket
-from kvprefetch.stats import Stats
+from kvprefetch.operations import Exchange, Operations
+from kvprefetch.protocol import READ_CHUNK_BYTES, Reply
 
-_RECV_CHUNK = 256 * 1024
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -36,45 +34,132 @@ class _Waiter:
     extra_s: float  # a `wait` request's timeout_ms, added to the client's timeout
 
 
-@dataclass(slots=True)
-class _Connection:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    frames: protocol.FrameBuffer
-    # Sent, reply not yet read. A waiter whose caller gave up (timeout, cancellation) stays
-    # until its late reply arrives, so that reply is recognised and dropped.
-    in_flight: dict[int, _Waiter] = field(default_factory=dict)
-    reader_task: asyncio.Task[None] | None = None
-    closed: bool = False
+class _Connection(asyncio.Protocol):
+    """One connection, as the event loop drives it.
+
+    Frames go out whole through the transport's buffer, so concurrent senders never
+    interleave; replies go to their calls as they arrive. When a write fails because the
+    daemon closed first, the transport ends without reading what the daemon sent before it
+    closed, which can be the very reply a call is owed (a refusal): connection_lost reads
+    it through `spare`, a second descriptor of the socket.
+    """
+
+    def __init__(self, socket_path: str, max_frame: int) -> None:
+        self.socket_path = socket_path
+        self.frames = protocol.FrameBuffer(max_frame)
+        # Sent, reply not yet read. A waiter whose caller gave up (timeout, cancellation)
+        # stays until its late reply arrives, so that reply is recognised and dropped.
+        self.in_flight: dict[int, _Waiter] = {}
+        self.closed = False
+        self.error: KVPrefetchError | None = None  # why it closed
+        self.refusal: Reply | None = None  # the daemon's, if it refused this connection
+        self.ended = asyncio.get_running_loop().create_future()  # once connection_lost ran
+        self.drained: asyncio.Future[None] | None = None  # while the write buffer is full
+
+    # --- asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.spare = cast(socket.socket, transport.get_extra_info("socket")).dup()
+        self.spare.setblocking(False)
+
+    def data_received(self, data: bytes) -> None:
+        self.take(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.read_left()
+        self.spare.close()
+        path = self.socket_path
+        self.retire(
+            ConnectionClosed(f"connection to {path} lost: {exc}")
+            if exc is not None
+            else ConnectionClosed(f"kvprefetchd at {path} closed the connection")
+        )
+        self.resume_writing()
+        self.ended.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        self.drained = None
+
+    # --- replies --------------------------------------------------------------------------
+
+    def take(self, data: bytes) -> None:
+        """Hand every complete reply in `data` to the calls it answers."""
+        if self.closed:
+            return  # retired: what still arrives is nobody's
+        self.frames.feed(data)
+        try:
+            while (reply := self.frames.pop()) is not None:
+                for request_id, answer in protocol.answers(reply, self.in_flight):
+                    waiter = self.in_flight.pop(request_id)
+                    if not waiter.future.done():
+                        waiter.future.set_result(answer)
+                if protocol.is_refusal(reply):
+                    # Every call on it is answered; the next one connects anew.
+                    self.refusal = reply
+                    self.retire(ConnectionClosed(f"kvprefetchd at {self.socket_path} refused"))
+        except ProtocolError as exc:
+            self.retire(exc)
+
+    def read_left(self) -> None:
+        """Take what the daemon sent that the transport did not read: the kernel hands it
+        over before it reports the close."""
+        try:
+            while data := self.spare.recv(READ_CHUNK_BYTES):
+                self.take(data)
+        except OSError:
+            pass  # nothing more (BlockingIOError), or the reset itself
+
+    def enlist(self, request_id: int, waiter: _Waiter) -> None:
+        """Put a call in flight before its first byte goes out: the daemon may answer before
+        the write is done (a refusal, an id-less error). On a connection that ended already,
+        even while it was being opened, the call is answered at once: refused, or failed."""
+        if not self.closed:
+            self.in_flight[request_id] = waiter
+        elif self.refusal is not None:
+            waiter.future.set_result({**self.refusal, "id": request_id})
+        else:
+            waiter.future.set_exception(self.error or ConnectionClosed("connection closed"))
+
+    def retire(self, error: KVPrefetchError) -> None:
+        """Fail every call in flight and drop the connection; the next call opens another."""
+        if self.closed:
+            return
+        self.closed = True
+        self.error = error
+        for waiter in self.in_flight.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+        self.in_flight.clear()
+        self.transport.abort()
+
+    async def drain(self) -> None:
+        """Wait while the write buffer is full. On a connection that is ending, let
+        connection_lost run first: it answers or fails the calls on it."""
+        if self.drained is not None:
+            await asyncio.shield(self.drained)
+        else:
+            await asyncio.sleep(0)
 
 
-class AsyncClient:
-    """The asyncio twin of kvprefetch.Client; same methods, same errors, same timeouts."""
+class AsyncClient(Operations):
+    """The asyncio twin of kvprefetch.Client: the same calls (Operations), the same errors,
+    the same timeouts."""
 
-    def __init__(
-        self,
-        socket_path: str | os.PathLike[str] | None = None,
-        timeout: float | None = 5.0,
-        *,
-        max_frame: int = MAX_FRAME_BYTES,
-    ) -> None:
-        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket()
-        self.timeout = timeout
-        self.max_frame = max_frame
+    def _init_transport(self) -> None:
         self._conn: _Connection | None = None
         self._connecting = asyncio.Lock()
-        self._ids = itertools.count(1)
         self._uncollected: dict[int, _Waiter] = {}  # sent, recv() not yet called
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     # --- connection -----------------------------------------------------------------------
@@ -86,20 +171,15 @@ class AsyncClient:
     async def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            if conn.reader_task is not None:
-                conn.reader_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await conn.reader_task
-            self._retire(conn, ConnectionClosed("client closed"))
-            with contextlib.suppress(OSError):
-                await conn.writer.wait_closed()
+            conn.retire(ConnectionClosed("client closed"))
+            await conn.ended
         self._uncollected.clear()
 
     async def _connection(self) -> _Connection:
         """The live connection, made anew when the last one broke.
 
-        The reader task notices a closed peer as soon as the loop runs it, so an idle client
-        usually reconnects here after a daemon restart without failing any call.
+        A closed peer is noticed as soon as the loop reads it, so an idle client usually
+        reconnects here after a daemon restart without failing any call.
         """
         async with self._connecting:
             if self._conn is None or self._conn.closed:
@@ -107,80 +187,44 @@ class AsyncClient:
             return self._conn
 
     async def _open(self) -> _Connection:
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(self.socket_path), self.timeout
+            _, conn = await asyncio.wait_for(
+                loop.create_unix_connection(
+                    lambda: _Connection(self.socket_path, self.max_frame), self.socket_path
+                ),
+                self.timeout,
             )
-        except (OSError, TimeoutError) as exc:
-            cause = exc if isinstance(exc, OSError) else OSError("connect timed out")
+        except OSError as exc:  # TimeoutError included
+            cause = OSError("connect timed out") if isinstance(exc, TimeoutError) else exc
             raise ConnectFailed(self.socket_path, cause) from exc
-        conn = _Connection(reader, writer, protocol.FrameBuffer(self.max_frame))
-        conn.reader_task = asyncio.create_task(self._read_replies(conn))
         return conn
-
-    async def _read_replies(self, conn: _Connection) -> None:
-        error: KVPrefetchError
-        try:
-            while data := await conn.reader.read(_RECV_CHUNK):
-                conn.frames.feed(data)
-                while (reply := conn.frames.pop()) is not None:
-                    self._dispatch(conn, reply)
-            error = ConnectionClosed(f"kvprefetchd at {self.socket_path} closed the connection")
-        except ProtocolError as exc:
-            error = exc
-        except OSError as exc:
-            error = ConnectionClosed(f"connection to {self.socket_path} lost: {exc}")
-        self._retire(conn, error)
-
-    def _dispatch(self, conn: _Connection, reply: Reply) -> None:
-        request_id = reply.get("id")
-        if not isinstance(request_id, int) and reply.get("ok") is False and conn.in_flight:
-            # An error for a request whose id the daemon could not read (e.g. too_large,
-            # whose body is skipped unread): blame the oldest request still in flight.
-            request_id = next(iter(conn.in_flight))
-            reply["id"] = request_id
-        waiter = conn.in_flight.pop(request_id, None) if isinstance(request_id, int) else None
-        if waiter is None:
-            raise ProtocolError(f"reply for unknown request id {request_id!r}")
-        if not waiter.future.done():
-            waiter.future.set_result(reply)
-
-    def _retire(self, conn: _Connection, error: KVPrefetchError) -> None:
-        """Fail everything in flight on `conn`; the next call opens a new connection."""
-        conn.closed = True
-        conn.writer.close()
-        for waiter in conn.in_flight.values():
-            if not waiter.future.done():
-                waiter.future.set_exception(error)
-        conn.in_flight.clear()
-        if self._conn is conn:
-            self._conn = None
 
     # --- pipelining primitives ------------------------------------------------------------
 
     async def send(self, request: Mapping[str, Any]) -> int:
         """Send one request (a map with `op`; the client adds `v` and `id`); return its id
         for recv()."""
-        request_id = next(self._ids)
-        frame = protocol.encode_frame(protocol.stamp(request, request_id), self.max_frame)
+        request_id, frame = self._frame(request)
         conn = await self._connection()
         waiter = _Waiter(
             asyncio.get_running_loop().create_future(), protocol.wait_allowance_s(request)
         )
-        conn.in_flight[request_id] = waiter
-        conn.writer.write(frame)  # whole frames only, so concurrent senders never interleave
-        try:
-            await asyncio.wait_for(conn.writer.drain(), self.timeout)
-        except (TimeoutError, OSError) as exc:
-            # Part of the frame may be out, so the stream is no longer trusted either way.
-            error: KVPrefetchError = (
-                Timeout(f"sending to {self.socket_path} timed out")
-                if isinstance(exc, TimeoutError)
-                else ConnectionClosed(f"connection to {self.socket_path} lost: {exc}")
-            )
-            del conn.in_flight[request_id]  # raised here, not through the future
-            self._retire(conn, error)
-            raise error from exc
+        conn.enlist(request_id, waiter)
+        if not conn.closed:
+            conn.transport.write(frame)
+        if conn.drained is not None or conn.transport.is_closing():
+            try:
+                await asyncio.wait_for(conn.drain(), self.timeout)
+            except TimeoutError as exc:
+                # Part of the frame may be out, so the stream is no longer trusted.
+                error = Timeout(f"sending to {self.socket_path} timed out")
+                conn.in_flight.pop(request_id, None)  # raised here, not through the future
+                conn.retire(error)
+                raise error from exc
+        lost = waiter.future.exception() if waiter.future.done() else None
+        if lost is not None:
+            raise lost
         self._uncollected[request_id] = waiter
         return request_id
 
@@ -196,74 +240,33 @@ class AsyncClient:
         except TimeoutError:
             raise Timeout(f"no reply from {self.socket_path} in time") from None
 
-    async def call(self, request: Mapping[str, Any]) -> Reply:
-        """Send one request and return its successful reply (ServerError otherwise)."""
-        return protocol.check_reply(await self.recv(await self.send(request)))
+    # --- carrying the calls ---------------------------------------------------------------
 
-    # --- operations -----------------------------------------------------------------------
+    @staticmethod
+    def _method(
+        build: Callable[P, Exchange[T]],
+    ) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+        async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            return await self._perform(build(*args, **kwargs))
 
-    async def ping(self) -> results.PingResult:
-        return results.parse_ping(await self.call(protocol.ping_request()))
+        return call
 
-    async def prefetch(
-        self,
-        paths: Iterable[PathLike],
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-    ) -> results.PrefetchResult:
-        request = protocol.prefetch_request(
-            paths, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
-        )
-        return results.parse_prefetch(await self.call(request))
-
-    async def prefetch_many(
-        self,
-        batches: Iterable[Iterable[PathLike]],
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-    ) -> list[results.PrefetchResult]:
-        """One prefetch per batch, all in flight together; results in batch order. Every
-        reply is awaited before the first error is raised."""
-        requests = [
-            protocol.prefetch_request(b, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms)
-            for b in batches
-        ]
+    async def _perform(self, exchange: Exchange[T]) -> T:
+        """Every request on the wire, then every reply awaited together; each is in before
+        the first error is raised."""
         ids: list[int] = []
         try:
-            for request in requests:
+            for request in exchange.requests:
                 ids.append(await self.send(request))
         except BaseException:
             for request_id in ids:  # give up on the ones already sent
                 self._uncollected.pop(request_id).future.cancel()
             raise
+        if len(ids) == 1:  # most calls: no task to gather
+            return exchange.parse([await self.recv(ids[0])])
         replies: list[Reply] = []
         for reply in await asyncio.gather(*map(self.recv, ids), return_exceptions=True):
             if isinstance(reply, BaseException):
                 raise reply
             replies.append(reply)
-        return [results.parse_prefetch(protocol.check_reply(r)) for r in replies]
-
-    async def prefetch_blocks(
-        self,
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-        **kv_request: Any,
-    ) -> results.PrefetchResult:
-        """Warm the files a KV request maps to; the daemon does the hashing and layout."""
-        request = protocol.prefetch_blocks_request(
-            kv_request, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
-        )
-        return results.parse_prefetch(await self.call(request))
-
-    async def resolve(self, **kv_request: Any) -> results.ResolveResult:
-        """The block hashes and file paths a KV request maps to, without any I/O."""
-        return results.parse_resolve(await self.call(protocol.resolve_request(kv_request)))
-
-    async def stats(self) -> Stats:
-        return results.parse_stats(await self.call(protocol.stats_request()))
+        return exchange.parse(replies)

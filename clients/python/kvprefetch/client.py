@@ -7,22 +7,20 @@ nothing. Not thread-safe: give each thread its own Client (connections are cheap
 
 from __future__ import annotations
 
-import itertools
-import os
 import select
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvprefetch import protocol, results
+from kvprefetch import protocol
 from kvprefetch.errors import ConnectFailed, ConnectionClosed, ProtocolError, Timeout
-from kvprefetch.protocol import MAX_FRAME_BYTES, PathLike, Reply, default_socket
-from kvprefetch.stats import Stats
+from kvprefetch.operations import Exchange, Operations
+from kvprefetch.protocol import READ_CHUNK_BYTES, Reply
 
-_RECV_CHUNK = 256 * 1024
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -34,39 +32,22 @@ class _Pending:
     wanted: bool = True
 
 
-class Client:
-    """Talk to kvprefetchd over `socket_path`.
+class Client(Operations):
+    """Talk to kvprefetchd, blocking: its calls and settings are Operations'.
 
-    `timeout` (seconds, None for none) bounds connecting, sending and each wait for a reply;
-    a `wait` request's own `timeout_ms` is added to it. The connection is made on first use
-    and remade on the first call after it broke.
+    The connection is made on first use and remade on the first call after it broke.
     """
 
-    def __init__(
-        self,
-        socket_path: str | os.PathLike[str] | None = None,
-        timeout: float | None = 5.0,
-        *,
-        max_frame: int = MAX_FRAME_BYTES,
-    ) -> None:
-        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket()
-        self.timeout = timeout
-        self.max_frame = max_frame
+    def _init_transport(self) -> None:
         self._sock: socket.socket | None = None
-        self._frames = protocol.FrameBuffer(max_frame)
-        self._ids = itertools.count(1)
+        self._frames = protocol.FrameBuffer(self.max_frame)
         self._pending: dict[int, _Pending] = {}  # sent on this connection, no reply yet
         self._ready: dict[int, Reply] = {}  # replied, not yet collected (arrival order)
 
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # --- connection -----------------------------------------------------------------------
@@ -139,26 +120,34 @@ class Client:
         """Send all of `frame`, reading replies whenever the daemon is not reading.
 
         A pipelining daemon stops reading once its bounded output buffer is full; if the
-        client only wrote, both sides would block on each other.
+        client only wrote, both sides would block on each other. Returns early if a refusal
+        read meanwhile ended the connection: it answered this request too.
         """
         view = memoryview(frame)
         while view:
             events = self._wait(sock, select.POLLIN | select.POLLOUT, deadline)
             if events & select.POLLIN:
                 self._read_some(sock)
+                if self._sock is not sock:
+                    return
             if events & (select.POLLOUT | select.POLLERR | select.POLLHUP):
                 try:
                     view = view[sock.send(view) :]
                 except BlockingIOError:
                     pass
                 except OSError as exc:
+                    # The daemon may have answered before it closed (a refusal): the kernel
+                    # hands over what it sent before it reports the close, so read it first.
+                    self._read_some(sock)
+                    if self._sock is not sock:
+                        return
                     self._drop()
                     raise ConnectionClosed(f"connection to {self.socket_path} lost: {exc}") from exc
 
     def _read_some(self, sock: socket.socket) -> None:
         """Read what has arrived and file every complete reply under its request id."""
         try:
-            data = sock.recv(_RECV_CHUNK)
+            data = sock.recv(READ_CHUNK_BYTES)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -170,38 +159,30 @@ class Client:
         self._frames.feed(data)
         try:
             while (reply := self._frames.pop()) is not None:
-                request_id = self._route(reply)
-                if self._pending.pop(request_id).wanted:
-                    self._ready[request_id] = reply
+                for request_id, answer in protocol.answers(reply, self._pending):
+                    if self._pending.pop(request_id).wanted:
+                        self._ready[request_id] = answer
+                if protocol.is_refusal(reply):
+                    self._drop()  # every request on it is answered; the next call reconnects
+                    return
         except ProtocolError:
             self._drop()
             raise
-
-    def _route(self, reply: Reply) -> int:
-        request_id = reply.get("id")
-        if isinstance(request_id, int) and request_id in self._pending:
-            return request_id
-        if reply.get("ok") is False and not isinstance(request_id, int) and self._pending:
-            # An error for a request whose id the daemon could not read (e.g. too_large,
-            # whose body is skipped unread): blame the oldest request still in flight.
-            oldest = next(iter(self._pending))
-            reply["id"] = oldest
-            return oldest
-        raise ProtocolError(f"reply for unknown request id {request_id!r}")
 
     # --- pipelining primitives ------------------------------------------------------------
 
     def send(self, request: Mapping[str, Any]) -> int:
         """Send one request (a map with `op`; the client adds `v` and `id`); return its id."""
-        request_id = next(self._ids)
-        frame = protocol.encode_frame(protocol.stamp(request, request_id), self.max_frame)
+        request_id, frame = self._frame(request)
         sock = self._live_socket()
+        # In flight before its first byte goes out: _write reads replies as it writes, and
+        # the daemon may answer before the write is done (a refusal, an id-less error).
+        self._pending[request_id] = _Pending(protocol.wait_allowance_s(request))
         try:
             self._write(sock, frame, self._deadline())
         except Timeout:
             self._drop()  # part of the frame may be out: the stream can no longer be trusted
             raise
-        self._pending[request_id] = _Pending(protocol.wait_allowance_s(request))
         return request_id
 
     def recv(self, request_id: int | None = None) -> Reply:
@@ -235,15 +216,24 @@ class Client:
             self._wait(self._sock, select.POLLIN, deadline)
             self._read_some(self._sock)
 
-    def call(self, request: Mapping[str, Any]) -> Reply:
-        """Send one request and return its successful reply (ServerError otherwise)."""
-        return protocol.check_reply(self._collect([self.send(request)])[0])
+    # --- carrying the calls ---------------------------------------------------------------
 
-    def _collect(self, ids: list[int]) -> list[Reply]:
-        """Replies to `ids` in that order. If one fails the rest are given up on: their late
-        replies are skipped, never mistaken for the replies of later calls."""
+    @staticmethod
+    def _method(build: Callable[P, Exchange[T]]) -> Callable[Concatenate[Client, P], T]:
+        def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            return self._perform(build(*args, **kwargs))
+
+        return call
+
+    def _perform(self, exchange: Exchange[T]) -> T:
+        """Every request on the wire, then every reply collected, in that order. If one fails
+        the rest are given up on: their late replies are skipped, never mistaken for the
+        replies of later calls."""
+        ids: list[int] = []
         replies: list[Reply] = []
         try:
+            for request in exchange.requests:
+                ids.append(self.send(request))
             for request_id in ids:
                 replies.append(self.recv(request_id))
         except BaseException:
@@ -252,65 +242,4 @@ class Client:
                     self._pending[request_id].wanted = False
                 self._ready.pop(request_id, None)
             raise
-        return replies
-
-    # --- operations -----------------------------------------------------------------------
-
-    def ping(self) -> results.PingResult:
-        return results.parse_ping(self.call(protocol.ping_request()))
-
-    def prefetch(
-        self,
-        paths: Iterable[PathLike],
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-    ) -> results.PrefetchResult:
-        request = protocol.prefetch_request(
-            paths, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
-        )
-        return results.parse_prefetch(self.call(request))
-
-    def prefetch_many(
-        self,
-        batches: Iterable[Iterable[PathLike]],
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-    ) -> list[results.PrefetchResult]:
-        """Pipeline one prefetch per batch and return their results in batch order.
-
-        All requests are on the wire before the first reply is awaited, so with `wait` the
-        daemon works on them together. Every reply is collected before the first ServerError
-        is raised, leaving the connection clean.
-        """
-        requests = [
-            protocol.prefetch_request(b, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms)
-            for b in batches
-        ]
-        replies = self._collect([self.send(r) for r in requests])
-        return [results.parse_prefetch(protocol.check_reply(r)) for r in replies]
-
-    def prefetch_blocks(
-        self,
-        *,
-        wait: bool = False,
-        read_bytes: int | None = None,
-        timeout_ms: int | None = None,
-        **kv_request: Any,
-    ) -> results.PrefetchResult:
-        """Warm the files a KV request (model or hash+layout, then prompts or block_hashes)
-        maps to; the daemon does the hashing and path layout."""
-        request = protocol.prefetch_blocks_request(
-            kv_request, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
-        )
-        return results.parse_prefetch(self.call(request))
-
-    def resolve(self, **kv_request: Any) -> results.ResolveResult:
-        """The block hashes and file paths a KV request maps to, without any I/O."""
-        return results.parse_resolve(self.call(protocol.resolve_request(kv_request)))
-
-    def stats(self) -> Stats:
-        return results.parse_stats(self.call(protocol.stats_request()))
+        return exchange.parse(replies)

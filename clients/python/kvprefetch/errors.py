@@ -8,6 +8,15 @@ or report a bug (ProtocolError).
 
 from __future__ import annotations
 
+__all__ = [
+    "ConnectFailed",
+    "ConnectionClosed",
+    "KVPrefetchError",
+    "ProtocolError",
+    "ServerError",
+    "Timeout",
+]
+
 
 class KVPrefetchError(Exception):
     """Base of every error this package raises on purpose."""

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
 import msgpack
 
-from kvprefetch.errors import (
-    ConnectFailed,
-    ConnectionClosed,
-    KVPrefetchError,
-    ProtocolError,
-    ServerError,
-    Timeout,
-)
+from kvprefetch import errors
+from kvprefetch.errors import *  # noqa: F403 -- re-exported: callers of this module catch them
+from kvprefetch.errors import ProtocolError, ServerError
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -30,17 +25,13 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "MAX_STR_BYTES",
     "PROTOCOL_VERSION",
-    "ConnectFailed",
-    "ConnectionClosed",
+    "READ_CHUNK_BYTES",
     "ErrorCode",
     "FrameBuffer",
-    "KVPrefetchError",
     "Outcome",
     "Path",
-    "ProtocolError",
     "Reply",
-    "ServerError",
-    "Timeout",
+    "answers",
     "check_reply",
     "decode_frame",
     "decode_payload",
@@ -55,6 +46,7 @@ __all__ = [
     "wait_allowance_s",
     "wire_path",
 ]
+__all__ += errors.__all__
 
 PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/run/kvprefetchd/kvprefetchd.sock"  # where the systemd unit puts it
@@ -86,6 +78,8 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 # messages; 1 MiB leaves room for both while refusing a hostile length prefix early.
 MAX_STR_BYTES = 1024 * 1024
 MAX_BIN_BYTES = 1024 * 1024
+# What a client asks of its socket per read: replies are small but for stats and resolve.
+READ_CHUNK_BYTES = 256 * 1024
 # Envelope keys the client owns; a caller-supplied KV field of the same name would silently
 # change which request the reply is matched to.
 RESERVED_KEYS = frozenset({"v", "id", "op"})
@@ -320,6 +314,39 @@ def _count(name: str, value: int) -> int:
 
 
 # --- replies ------------------------------------------------------------------------------
+
+
+def answers(reply: Reply, in_flight: Collection[int]) -> list[tuple[int, Reply]]:
+    """Which requests in flight (ids in send order) `reply` answers, each with its own copy.
+
+    A reply names its request by id. Two kinds of error cannot (protocol.md, "Errors"): a
+    connection-level refusal, `forbidden` sent as the daemon accepts a peer it does not
+    allow and then closes, which answers every request sent on that connection (the caller
+    then treats the connection as closed); and an error for a frame whose id the daemon
+    could not read (too_large skips the body unread), blamed on the oldest request in
+    flight. A refusal with nothing in flight answers nobody; anything else is a
+    ProtocolError.
+    """
+    request_id = reply.get("id")
+    if isinstance(request_id, int) and request_id in in_flight:
+        return [(request_id, reply)]
+    if reply.get("ok") is False and not isinstance(request_id, int) and in_flight:
+        blamed = list(in_flight) if is_refusal(reply) else [next(iter(in_flight))]
+        return [(blamed_id, {**reply, "id": blamed_id}) for blamed_id in blamed]
+    if is_refusal(reply):
+        return []
+    raise ProtocolError(f"reply for unknown request id {request_id!r}")
+
+
+def is_refusal(reply: Reply) -> bool:
+    """Whether `reply` is the daemon refusing this peer: the connection then ends."""
+    error = reply.get("error")
+    return (
+        reply.get("ok") is False
+        and not isinstance(reply.get("id"), int)
+        and isinstance(error, dict)
+        and error.get("code") == ErrorCode.FORBIDDEN
+    )
 
 
 def check_reply(reply: Reply) -> Reply:
