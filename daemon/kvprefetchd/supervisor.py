@@ -35,8 +35,8 @@ from kvprefetchd.books import Books, PendingRequest
 from kvprefetchd.channel import BOOT_FAILED, DONE, READY, WARM, ChannelReader, pack
 from kvprefetchd.config import Config, ConfigError, merge_reload
 from kvprefetchd.confine import Roots
-from kvprefetchd.engines import NoEngine, engine_candidates
-from kvprefetchd.engines.base import Engine, EngineSettings
+from kvprefetchd.engines import EngineSpec, NoEngine, engine_candidates
+from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.kvservice import KVService
 from kvprefetchd.peers import PeerPolicy, peer_of
 from kvprefetchd.protocol import (
@@ -149,7 +149,7 @@ class Supervisor:
         ]
         self.engine_classes = engine_candidates(config.engine, config.warm_mode)
         self.other_mode = "advise" if config.warm_mode == "read" else "read"
-        self.other_mode_classes: tuple[type[Engine], ...] = ()
+        self.other_mode_classes: tuple[EngineSpec, ...] = ()
         if self.other_mode in config.model_warm_modes.values():
             try:
                 self.other_mode_classes = engine_candidates(config.engine, self.other_mode)

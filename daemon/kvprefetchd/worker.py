@@ -19,6 +19,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from kvprefetchd import engines
 from kvprefetchd.channel import (
     BOOT_FAILED,
     DONE,
@@ -30,6 +31,7 @@ from kvprefetchd.channel import (
     send_all_blocking,
 )
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
+from kvprefetchd.engines import EngineSpec
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, QueueAnswer, WarmItem
 from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.metrics import FILE_BUCKETS, Histogram
@@ -57,14 +59,14 @@ class WorkerPlan:
     index: int
     roots: tuple[str, ...]
     rules: tuple[int, ...]
-    engine_classes: tuple[type[Engine], ...]
+    engine_classes: tuple[EngineSpec, ...]
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
     nice: int = 0
     # The engines for the other warm mode (a model profile may choose it); empty when
     # no profile does, or when no engine of that mode can run here.
-    other_mode_classes: tuple[type[Engine], ...] = ()
+    other_mode_classes: tuple[EngineSpec, ...] = ()
 
 
 # mallopt(3) parameter numbers, from glibc's <malloc.h>.
@@ -144,25 +146,25 @@ class Worker:
             log.warning("worker %d: unknown message %r", self.plan.index, message[0])
             return
         received = time.monotonic()
-        _, want, other_mode, entries = message
+        _, read_bytes, other_mode, entries = message
         for ticket, root_index, relative in entries:
             key: Key = (root_index, relative)
-            if self.recent.covers(key, want):
+            if self.recent.covers(key, read_bytes):
                 self.counters["dedup_recent"] += 1
                 self.outcome(ticket, "resident", 0)
                 self.latency.observe(0.0)
                 continue
-            if not self.in_flight.join(key, want, ticket):
+            if not self.in_flight.join(key, read_bytes, ticket):
                 self.counters["dedup_in_flight"] += 1
                 continue
             root_fd = self.root_fd(root_index)
             if root_fd < 0:
-                for waiting in self.in_flight.settle(key, want):
+                for waiting in self.in_flight.settle(key, read_bytes):
                     self.outcome(waiting, "missing", 0)
                 continue
             rule = self.plan.rules[root_index]
             queue = self.pending_other if other_mode else self.pending
-            queue.append(WarmItem(root_fd, rule, relative, want, key, received))
+            queue.append(WarmItem(root_fd, rule, relative, read_bytes, key, received))
 
     def root_fd(self, index: int) -> int:
         """A root that did not exist at start may have been created since: look again."""
@@ -180,11 +182,11 @@ class Worker:
         budget = MAX_BATCH_BYTES
         while (
             pending
-            and (not queued or pending[0].want <= budget)
+            and (not queued or pending[0].read_bytes <= budget)
             and engine.queue(pending[0]) is QueueAnswer.QUEUED
         ):
             item = pending.popleft()
-            budget -= item.want
+            budget -= item.read_bytes
             queued.append(item)
         if self.faults is not None:
             self.faults.apply([item.relative for item in queued])
@@ -207,10 +209,10 @@ class Worker:
     def settle(self, completion: Completion) -> None:
         item = completion.item
         if completion.outcome in ("read", "resident"):
-            self.recent.remember(item.key, item.want)
+            self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
         self.latency.observe(time.monotonic() - item.received)
-        tickets = self.in_flight.settle(item.key, item.want)
+        tickets = self.in_flight.settle(item.key, item.read_bytes)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
             self.outcome(ticket, completion.outcome, bytes_read if position == 0 else 0)
@@ -245,20 +247,10 @@ class Worker:
         self.latency = Histogram(FILE_BUCKETS)
 
 
-def build_engine(
-    plan: WorkerPlan, candidates: tuple[type[Engine], ...] | None = None
-) -> Engine:
+def build_engine(plan: WorkerPlan, candidates: tuple[EngineSpec, ...] | None = None) -> Engine:
     """The first candidate engine that sets up here; the last one's error if none does."""
-    failure: Exception | None = None
-    for engine_class in plan.engine_classes if candidates is None else candidates:
-        try:
-            return engine_class(plan.engine_settings)
-        except Exception as error:
-            log.warning("worker %d: engine %s: %s", plan.index, engine_class.name, error)
-            failure = error
-    if failure is None:
-        raise RuntimeError("no engine to build")
-    raise failure
+    chosen = plan.engine_classes if candidates is None else candidates
+    return engines.build_engine(chosen, plan.engine_settings, f"worker {plan.index}")
 
 
 def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:

@@ -177,7 +177,7 @@ def test_device_node_needs_root(root) -> None:
     if os.geteuid() != 0:
         pytest.skip("mknod of a device node needs root")
     os.mknod(root.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
-    res = Ctx("pread1").run(root.fd, ["null"], MiB)
+    res = Ctx("pread-read").run(root.fd, ["null"], MiB)
     assert [(r.outcome, r.err) for r in res] == [("REJECTED", "EINVAL")]
 
 
@@ -279,3 +279,4 @@ def test_ctx_is_reused_across_many_batches(engine: str, root) -> None:
         batch = [*rels[k * 2 : k * 2 + 2], "missing"]
         res = ctx.run(root.fd, batch, 128 * KiB)
         assert [r.outcome for r in res] == ["READ", "READ", "MISSING"]
+
