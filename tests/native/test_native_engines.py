@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from native_helpers import (
+    OUTCOMES,
     PAGE,
     Batch,
     Ctx,
@@ -280,3 +281,32 @@ def test_ctx_is_reused_across_many_batches(engine: str, root) -> None:
         res = ctx.run(root.fd, batch, 128 * KiB)
         assert [r.outcome for r in res] == ["READ", "READ", "MISSING"]
 
+
+def test_one_batch_settles_every_outcome(engine: str, root, tmp_path: Path) -> None:
+    """Every row of C's engine table, one batch mixing an item of each outcome, each item
+    under its own root as the worker sends them (the failed one under sysfs)."""
+    eio_base, eio_rel = real_eio()
+    write_file(tmp_path / "outside", 4096)
+    (cold,) = make_files(root.path, 1, 256 * KiB, "cold")
+    write_file(root.path / "warm", 64 * KiB)
+    with open(root.path / "warm", "rb") as f:
+        f.read()
+    eio_root = os.open(eio_base, os.O_PATH | os.O_DIRECTORY)
+    try:
+        batch = Batch(root.fd, [cold, "warm", "nope", "../outside", eio_rel], 128 * KiB,
+                      residency=lib.KVP_RES_PAGECACHE)
+        batch.items[4].root_fd = eio_root
+        batch.items[4].residency = lib.KVP_RES_OFF
+        res = Ctx(engine).run_batch(batch)
+    finally:
+        os.close(eio_root)
+    assert res[1].outcome == "RESIDENT" or skip_if_dropped(), res
+    assert res == [
+        Result("READ", "", 256 * KiB, 128 * KiB),
+        Result("RESIDENT", "", 64 * KiB, 64 * KiB),
+        Result("MISSING", "ENOENT", 0, 0),
+        Result("REJECTED", "EXDEV", 0, 0),
+        Result("FAILED", "EIO", res[4].size, 0),
+    ]
+    assert {r.outcome for r in res} == set(OUTCOMES.values()), "a new outcome: add its item"
+    assert_warm(root.path / cold, 128 * KiB)
