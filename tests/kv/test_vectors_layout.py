@@ -186,7 +186,7 @@ def test_router_pr1156_path_base_defaulting(case: dict[str, Any]) -> None:
 
 
 ELSEWHERE = {
-    "residency_cases": "the st_blocks residency skip rule is the worker's (native/prefetch.c, "
+    "residency_cases": "the st_blocks residency skip rule is the worker's (native/residency.c, "
                        "kvprefetchd/residency.py), not part of the pure kv package",
     "submit_cases": "non-blocking submission is the supervisor's bounded queues, not kv/",
 }
