@@ -267,19 +267,11 @@ static int uring_slots_alloc(struct kvp_ctx *c, struct uring *u)
         u->sfree[u->nsfree] = mo - 1 - u->nsfree;
     return 0;
 }
-#endif
 
-/* Both engines: validate queue_depth, make the ring and what the engine's run
- * needs around it (reads: slots and requests; advice: a window of fds). */
-static int uring_setup(struct kvp_ctx *c, int reads)
+/* The ring, and what the engine's run needs around it (reads: slots and
+ * requests; advice: a window of fds). */
+static int ring_setup(struct kvp_ctx *c, int reads)
 {
-    if (c->cfg.queue_depth == 0)
-        return EINVAL;
-    c->cfg.queue_depth = MIN(c->cfg.queue_depth, (uint32_t)KVP_MAX_QD);
-#ifndef KVP_HAVE_LIBURING
-    (void)reads;
-    return ENOSYS;  /* built without liburing */
-#else
     struct uring *u = calloc(1, sizeof *u);
     if (!(c->engine_data = u))
         return ENOMEM;
@@ -296,15 +288,10 @@ static int uring_setup(struct kvp_ctx *c, int reads)
         return -r;
     u->ring_ok = 1;
     return 0;
-#endif
 }
-
-static int uring_read_setup(struct kvp_ctx *c) { return uring_setup(c, 1); }
-static int uring_advise_setup(struct kvp_ctx *c) { return uring_setup(c, 0); }
 
 static void uring_teardown(struct kvp_ctx *c)
 {
-#ifdef KVP_HAVE_LIBURING
     struct uring *u = c->engine_data;
     if (!u)
         return;
@@ -313,13 +300,20 @@ static void uring_teardown(struct kvp_ctx *c)
     free(u->slots);
     kvp_window_free(&u->window);
     free(u);
-#else
-    (void)c;
-#endif
 }
 
-#ifndef KVP_HAVE_LIBURING
-/* Never called: uring_setup refuses both engines in a build without liburing. */
+#else  /* built without liburing: setup refuses both engines, so run is never called */
+static int ring_setup(struct kvp_ctx *c, int reads)
+{
+    (void)c, (void)reads;
+    return ENOSYS;
+}
+
+static void uring_teardown(struct kvp_ctx *c)
+{
+    (void)c;
+}
+
 static int uring_read(struct kvp_ctx *c, struct kvp_item *items, size_t n)
 {
     (void)c, (void)items, (void)n;
@@ -331,6 +325,19 @@ static int uring_advise(struct kvp_ctx *c, struct kvp_item *items, size_t n)
     return uring_read(c, items, n);
 }
 #endif
+
+/* Both engines: queue_depth is theirs to check, before the ring (so a bad
+ * config is EINVAL in every build). */
+static int uring_setup(struct kvp_ctx *c, int reads)
+{
+    if (c->cfg.queue_depth == 0)
+        return EINVAL;
+    c->cfg.queue_depth = MIN(c->cfg.queue_depth, (uint32_t)KVP_MAX_QD);
+    return ring_setup(c, reads);
+}
+
+static int uring_read_setup(struct kvp_ctx *c) { return uring_setup(c, 1); }
+static int uring_advise_setup(struct kvp_ctx *c) { return uring_setup(c, 0); }
 
 const struct kvp_engine kvp_engine_uring_read = {
     .name = "io_uring",
