@@ -96,15 +96,15 @@ class Batch:
     ) -> None:
         self.n = len(rels)
         self.items = ffi.new("struct kvp_item[]", max(self.n, 1))
-        heads = [read_bytes] * self.n if isinstance(read_bytes, int) else list(read_bytes)
+        each = [read_bytes] * self.n if isinstance(read_bytes, int) else list(read_bytes)
         self._names = []
-        for item, rel, head in zip(self.items, rels, heads, strict=False):
+        for item, rel, item_read_bytes in zip(self.items, rels, each, strict=False):
             name = ffi.new("char[]", rel.encode() if isinstance(rel, str) else rel)
             self._names.append(name)
             item.root_fd = root_fd
             item.residency = residency
             item.rel = name
-            item.read_bytes = head
+            item.read_bytes = item_read_bytes
 
     def results(self) -> list[Result]:
         return [

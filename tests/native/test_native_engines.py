@@ -58,20 +58,20 @@ def make_files(root: Path, n: int, size: int, prefix: str = "f") -> list[str]:
 
 
 def test_cold_heads_are_read_then_resident(engine: str, root) -> None:
-    size, want = 4 * MiB, MiB
+    size, read_bytes = 4 * MiB, MiB
     rels = make_files(root.path, 8, size)
     ctx = Ctx(engine, chunk=256 * KiB, queue_depth=8, max_open=4)
-    res = ctx.run(root.fd, rels, want)
-    assert res == [Result("READ", "", size, want)] * len(rels)
+    res = ctx.run(root.fd, rels, read_bytes)
+    assert res == [Result("READ", "", size, read_bytes)] * len(rels)
     for rel in rels:
-        assert_warm(root.path / rel, want)
+        assert_warm(root.path / rel, read_bytes)
         # FADV_RANDOM: no readahead window beyond the head
-        assert resident(root.path / rel, 0, size, 0) <= want + RANDOM_SLACK
+        assert resident(root.path / rel, 0, size, 0) <= read_bytes + RANDOM_SLACK
     # Second batch, page-cache rule: everything is already there, nothing read.
-    res = ctx.run(root.fd, rels, want, residency=lib.KVP_RES_PAGECACHE)
-    assert res == [Result("RESIDENT", "", size, want)] * len(rels) or skip_if_dropped(), res
+    res = ctx.run(root.fd, rels, read_bytes, residency=lib.KVP_RES_PAGECACHE)
+    assert res == [Result("RESIDENT", "", size, read_bytes)] * len(rels) or skip_if_dropped(), res
     for rel in rels:
-        assert resident(root.path / rel, 0, size, 0) <= want + RANDOM_SLACK
+        assert resident(root.path / rel, 0, size, 0) <= read_bytes + RANDOM_SLACK
 
 
 def test_pagecache_rule_reads_a_partly_cached_head(engine: str, root) -> None:
@@ -95,13 +95,13 @@ def test_head_shapes(engine: str, root) -> None:
     for name in ("short", "big", "tiny"):
         evict(root.path / name)
     rels = ["short", "empty", "big", "big", "tiny"]
-    wants = [MiB, MiB, odd, 0, MiB]
-    res = Ctx(engine, chunk=256 * KiB).run(root.fd, rels, wants)
+    read_bytes = [MiB, MiB, odd, 0, MiB]
+    res = Ctx(engine, chunk=256 * KiB).run(root.fd, rels, read_bytes)
     assert res == [
         Result("READ", "", short, short),
         Result("RESIDENT", "", 0, 0),  # empty file: nothing to warm
         Result("READ", "", 4 * MiB, odd),
-        Result("RESIDENT", "", 4 * MiB, 0),  # want 0: nothing to warm
+        Result("RESIDENT", "", 4 * MiB, 0),  # read_bytes 0: nothing to warm
         Result("READ", "", 1, 1),
     ]
     assert_warm(root.path / "short", short)
@@ -159,19 +159,19 @@ def test_special_files_are_rejected_without_blocking(engine: str, root, monkeypa
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind("sock")
     rels = ["fifo", "sock", "dir", "."]
-    want = [("REJECTED", "EINVAL"), ("REJECTED", "EINVAL"), ("REJECTED", "EISDIR"),
+    expected = [("REJECTED", "EINVAL"), ("REJECTED", "EINVAL"), ("REJECTED", "EISDIR"),
             ("REJECTED", "EISDIR")]
     try:
         os.mknod(root.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
         rels.append("null")
-        want.append(("REJECTED", "EINVAL"))
+        expected.append(("REJECTED", "EINVAL"))
     except PermissionError:
         pass  # no CAP_MKNOD here: the FIFO and the socket still cover non-regular files
     try:
         res = Ctx(engine).run(root.fd, rels, MiB)
     finally:
         sock.close()
-    assert [(r.outcome, r.err) for r in res] == want
+    assert [(r.outcome, r.err) for r in res] == expected
 
 
 def test_device_node_needs_root(root) -> None:
@@ -238,7 +238,7 @@ def test_full_ring_and_fd_budget(engine: str, root) -> None:
 
 
 def test_tier_rule(engine: str, root) -> None:
-    size, want = 4 * MiB, MiB
+    size, read_bytes = 4 * MiB, MiB
     with open(root.path / "stub", "wb") as f:  # a recalled-nothing stub: no blocks at all
         f.truncate(size)
     write_file(root.path / "full", size)
@@ -252,14 +252,14 @@ def test_tier_rule(engine: str, root) -> None:
         evict(root.path / name)
     assert os.stat(root.path / "stub").st_blocks == 0
     rels = ["stub", "full", "partial", "small_full"]
-    res = Ctx(engine).run(root.fd, rels, want, residency=lib.KVP_RES_TIER)
+    res = Ctx(engine).run(root.fd, rels, read_bytes, residency=lib.KVP_RES_TIER)
     assert res == [
-        Result("READ", "", size, want),
-        Result("RESIDENT", "", size, want),
-        Result("READ", "", size, want),
+        Result("READ", "", size, read_bytes),
+        Result("RESIDENT", "", size, read_bytes),
+        Result("READ", "", size, read_bytes),
         Result("RESIDENT", "", 100 * KiB, 100 * KiB),
     ]
-    assert_warm(root.path / "stub", want)
+    assert_warm(root.path / "stub", read_bytes)
     # RESIDENT under the tier rule means not even opened for reading: still cold
     assert resident(root.path / "full", 0, size, 0) == 0
     assert resident(root.path / "small_full", 0, 100 * KiB, 0) == 0
