@@ -6,17 +6,20 @@ It can also be run directly: ``python native/build_native.py`` builds the
 module under build/cffi/ (from any cwd).
 
 The cdef is native/kvprefetch.h itself, minus its preprocessor lines other
-than ``#define NAME <integer>`` (which cffi's cdef accepts).
+than ``#define NAME <integer>`` (which cffi's cdef accepts).  Every native/*.c
+is compiled into the module (prefetch.c maps them); every native/*.h is a
+dependency, so touching internal.h rebuilds it.
 
 liburing: a tiny program is compiled and linked against -luring; if that
 works the extension is built with -DKVP_HAVE_LIBURING and linked with uring,
 otherwise without (the io_uring engines then fail kvp_ctx_new with ENOSYS and
-kvp_uring_probe says "built without liburing").  KVP_NO_LIBURING=1 in the
+kvp_engine_probe says "built without liburing").  KVP_NO_LIBURING=1 in the
 environment forces the latter.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shlex
@@ -88,9 +91,9 @@ ffibuilder.cdef(cdef_source(_HEADER))
 ffibuilder.set_source(
     "kvprefetchd._native",
     '#include <stddef.h>\n#include <stdint.h>\n#include "kvprefetch.h"\n',
-    sources=[os.path.join(_NATIVE, "prefetch.c")],
+    sources=sorted(glob.glob(os.path.join(_NATIVE, "*.c"))),
     include_dirs=[_NATIVE],
-    depends=[os.path.join(_NATIVE, "kvprefetch.h")],
+    depends=sorted(glob.glob(os.path.join(_NATIVE, "*.h"))),
     define_macros=[("KVP_HAVE_LIBURING", "1")] if _URING else [],
     libraries=(["uring"] if _URING else []) + ["pthread"],
     extra_compile_args=["-O2"],

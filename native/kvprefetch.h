@@ -1,72 +1,97 @@
 /*
  * kvprefetch.h: the whole boundary between Python and C.
  *
- * This file is read twice: by the C compiler (prefetch.c includes it) and by
- * cffi's cdef (build_native.py feeds it, minus the preprocessor lines, to
- * ffibuilder.cdef).  Keep it to plain declarations cffi understands: fixed
- * width integers, structs, #define'd integer constants, function prototypes.
+ * This file is read twice: by the C compiler (every native C file includes it,
+ * through internal.h) and by cffi's cdef (build_native.py feeds it, minus the
+ * preprocessor lines, to ffibuilder.cdef).  Keep it to plain declarations cffi
+ * understands: fixed width integers, structs, #define'd integer constants,
+ * function prototypes.
  *
  * The unit of work is a *batch*: Python hands C an array of kvp_item, C opens,
  * checks, warms and closes every file in it and fills in the outcome fields,
  * all in one call with the GIL released.  Crossing the boundary once per batch
  * (not once per file) is what lets the Python daemon run at the speed of a
  * hand-written C program.
+ *
+ * Python reads the constants below from the built module (lib.KVP_*), never
+ * copies them: each prefix's names, lower-cased without the prefix, are the
+ * names Python uses (KVP_OUT_READ is the outcome "read", KVP_RES_TIER the
+ * residency rule "tier").
  */
 
-/* Per-file outcomes.  Mirror the protocol's outcome names (design/protocol.md). */
+/* Per-file outcomes: the protocol's outcome names (docs/protocol.md, "Per-file
+ * outcomes"), of which these are the ones a worker settles. */
 #define KVP_OUT_READ 0      /* head warmed (read, or advised and confirmed resident) */
 #define KVP_OUT_RESIDENT 1  /* skipped: residency rule says already warm, nothing read */
 #define KVP_OUT_MISSING 2   /* ENOENT / ENOTDIR on the path: not an error */
 #define KVP_OUT_REJECTED 3  /* escapes the root, a symlink out, not a regular file, bad name */
 #define KVP_OUT_FAILED 4    /* I/O error while opening (other than the above) or reading */
 
-/* How to warm a head. */
-#define KVP_ENGINE_PREAD 0          /* blocking pread loop, spread over cfg.threads threads */
-#define KVP_ENGINE_FADVISE 1        /* posix_fadvise(WILLNEED) every head, then confirm */
-#define KVP_ENGINE_URING_READ 2     /* io_uring IORING_OP_READ of every head in chunks */
-#define KVP_ENGINE_URING_FADVISE 3  /* io_uring IORING_OP_FADVISE(WILLNEED), then confirm */
-
-/* Residency rule applied before any read (per item: it depends on the root's fs). */
-#define KVP_RES_NONE 0       /* always warm */
+/* Residency rule applied before any read (per item: it depends on the root's
+ * fs): the config's residency names (off, tier, pagecache). */
+#define KVP_RES_OFF 0        /* always warm */
 #define KVP_RES_TIER 1       /* storage-tier rule from st_blocks (HSM / AFM stubs) */
 #define KVP_RES_PAGECACHE 2  /* page-cache rule: cachestat, mincore where it is missing */
 
 struct kvp_item {
-    int32_t root_fd;     /* in: O_PATH|O_DIRECTORY fd of the allowed root */
-    int32_t residency;   /* in: KVP_RES_* */
-    const char *rel;     /* in: NUL-terminated path relative to root_fd, never starting with '/' */
-    uint64_t want;       /* in: head length to warm, bytes (read_bytes) */
-    int32_t outcome;     /* out: KVP_OUT_* */
-    int32_t err;         /* out: errno behind MISSING/REJECTED/FAILED, else 0 */
-    uint64_t size;       /* out: st_size, when the file could be stat'ed */
-    uint64_t done;       /* out: bytes read (READ), or bytes found resident (RESIDENT) */
+    int32_t root_fd;      /* in: O_PATH|O_DIRECTORY fd of the allowed root */
+    int32_t residency;    /* in: KVP_RES_* */
+    const char *rel;      /* in: NUL-terminated path relative to root_fd, never starting with '/' */
+    uint64_t read_bytes;  /* in: the request's read_bytes: how much of the head to warm */
+    int32_t outcome;      /* out: KVP_OUT_* */
+    int32_t err;          /* out: errno behind MISSING/REJECTED/FAILED, else 0 */
+    uint64_t size;        /* out: st_size, when the file could be stat'ed */
+    uint64_t done;        /* out: bytes read (READ), or bytes found resident (RESIDENT) */
 };
+
+/*
+ * Engines are named, not numbered: a (engine, warm_mode) pair of strings picks
+ * an entry of the C table (native/prefetch.c), and kvp_engines lists that table.
+ * So the Python registry is driven by C's own table: there is no engine code to
+ * keep in step on both sides, an engine added in C is listed (and tested) from
+ * Python without a new constant, and an unknown pair is refused in one place
+ * (kvp_ctx_new: EINVAL).  The names are the ones the config, the log, `ping`
+ * and `stats` already say.  A name is looked up once per context, never per
+ * batch or per file, so strings cost nothing on the hot path.
+ */
+struct kvp_engine_name {
+    const char *engine;     /* "pread", "fadvise", "io_uring" */
+    const char *warm_mode;  /* "read" (the engine reads every head) or "advise"
+                               (it asks the kernel to read, then confirms) */
+};
+
+/* The engine table: fills out[0 .. min(n, count)) and returns count (out may be
+ * NULL when n is 0).  The strings are static: they outlive every context. */
+size_t kvp_engines(struct kvp_engine_name *out, size_t n);
+
+/* 1 when the engine can run here; 0 otherwise with a human reason written to
+ * why (NUL-terminated, at most whylen bytes): e.g. io_uring refused by the
+ * kernel or seccomp, "built without liburing", or an unknown engine. */
+int kvp_engine_probe(const char *engine, const char *warm_mode, char *why, size_t whylen);
 
 struct kvp_config {
-    int32_t engine;        /* KVP_ENGINE_* */
-    int32_t fadv_random;   /* nonzero: POSIX_FADV_RANDOM on every fd before reading */
-    uint32_t chunk;        /* bytes per read request (pread loop and io_uring) */
-    uint32_t queue_depth;  /* io_uring: reads kept in flight; also SQ ring size */
-    uint32_t threads;      /* PREAD engine: threads per batch (1 = plain loop) */
-    uint32_t max_open;     /* files held open at once inside a batch (fd budget) */
+    const char *engine;     /* an engine of the table (kvp_engines), e.g. "io_uring" */
+    const char *warm_mode;  /* its warm mode, "read" or "advise" */
+    int32_t fadv_random;    /* nonzero: POSIX_FADV_RANDOM on every fd before reading */
+    uint32_t chunk;         /* bytes per read request (pread loop and io_uring) */
+    uint32_t queue_depth;   /* io_uring: reads kept in flight; also SQ ring size */
+    uint32_t threads;       /* pread threads per batch (1 = plain loop); the advice
+                               engines' confirming reads too */
+    uint32_t max_open;      /* files held open at once inside a batch (fd budget) */
 };
 
-struct kvp_ctx;  /* opaque: the ring, scratch buffers, resolved kernel features */
+struct kvp_ctx;  /* opaque: the engine, its ring or window, scratch buffers, kernel features */
 
-/* Create a context for cfg; NULL with *err = errno when it cannot be made (for
- * the io_uring engines: ring setup refused, e.g. ENOSYS/EPERM under seccomp). */
+/* Create a context for cfg; NULL with *err = errno when it cannot be made:
+ * EINVAL for a bad config or an unknown engine, ENOSYS for io_uring in a build
+ * without liburing, or the ring setup's refusal (e.g. ENOSYS/EPERM under
+ * seccomp).  cfg's strings may be freed once this returns. */
 struct kvp_ctx *kvp_ctx_new(const struct kvp_config *cfg, int *err);
 void kvp_ctx_free(struct kvp_ctx *ctx);
 
 /* Warm a batch.  Every item gets an outcome.  Returns 0, or -errno if the
  * batch as a whole could not run (items then all FAILED with that errno). */
 int kvp_run_batch(struct kvp_ctx *ctx, struct kvp_item *items, size_t n);
-
-/* Probe io_uring once: 1 if a ring can be set up and supports READ, FADVISE
- * and OPENAT2-free operation on this kernel; 0 otherwise with a human reason
- * written to why (NUL-terminated, at most whylen bytes).  0 with reason
- * "built without liburing" when the extension was compiled without it. */
-int kvp_uring_probe(char *why, size_t whylen);
 
 /* Residency of [off, off+len) of an open fd, for tests and for the supervisor-
  * free paths: pages resident via cachestat (Linux 6.5+), falling back to

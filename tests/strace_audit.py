@@ -24,7 +24,7 @@ a /proc/self/fd/N reopen of an fd the same thread fstat'ed as a regular file.
 
 Needs strace and ptrace permission (root, or CAP_SYS_PTRACE); `available()` says why not.
 io_uring's IORING_OP_OPENAT would be invisible here: the daemon opens files with
-syscalls only (native/prefetch.c), and a new uring open would have to be audited anew.
+syscalls only (native/open.c), and a new uring open would have to be audited anew.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def unchecked_io_opens(records: Iterable[Open | Stat], roots: Iterable[str | os.
                        ) -> list[Open]:
     """Opens for I/O of something beneath a root that are not the verified reopen.
 
-    The rule (native/prefetch.c reopen(), kv/discover.py _open_regular()): resolve with
+    The rule (native/open.c reopen(), kv/discover.py _open_regular()): resolve with
     O_PATH, fstat that fd, refuse all but regular files, then open /proc/self/fd/N. So
     a non-O_PATH open beneath a root must name /proc/self/fd/N, and the last fstat of N
     by the same thread must have said S_IFREG. The thread matters: the kernel keeps one

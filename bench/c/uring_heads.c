@@ -1,6 +1,6 @@
 /*
  * uring_heads.c: warm the heads of a list of files, the hand-written way.
- * The reference kvprefetchd's native engines (native/prefetch.c) must match.
+ * The reference kvprefetchd's native engines (native/engine_*.c) must match.
  *
  * Build:  gcc -O2 -Wall -Wextra -o uring_heads bench/c/uring_heads.c -luring -lpthread
  * Usage:  uring_heads [options] [-f LIST | PATH...]

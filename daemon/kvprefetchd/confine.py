@@ -3,7 +3,7 @@
 This gate is lexical and runs in the supervisor: it maps an absolute path to
 (root, path relative to that root) or refuses it, touching no file system at
 all. The second gate is the kernel's: workers open the relative part with
-openat2(RESOLVE_BENEATH) against the root's directory fd (native/prefetch.c),
+openat2(RESOLVE_BENEATH) against the root's directory fd (native/open.c),
 which catches what text cannot see, such as symlinks that lead out.
 """
 

@@ -26,16 +26,16 @@ class RecentlyWarmed:
         self._clock = clock
         self._entries: OrderedDict[Key, tuple[float, int]] = OrderedDict()
 
-    def remember(self, key: Key, head_bytes: int) -> None:
+    def remember(self, key: Key, read_bytes: int) -> None:
         if self._capacity <= 0 or self._ttl <= 0:
             return
-        self._entries[key] = (self._clock() + self._ttl, head_bytes)
+        self._entries[key] = (self._clock() + self._ttl, read_bytes)
         self._entries.move_to_end(key)
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
 
-    def covers(self, key: Key, head_bytes: int) -> bool:
-        """True when `key` was warmed at least `head_bytes` deep and the memory is still fresh."""
+    def covers(self, key: Key, read_bytes: int) -> bool:
+        """True when `key` was warmed at least `read_bytes` deep and the memory is still fresh."""
         entry = self._entries.get(key)
         if entry is None:
             return False
@@ -43,7 +43,7 @@ class RecentlyWarmed:
         if expires < self._clock():
             del self._entries[key]
             return False
-        return warmed >= head_bytes
+        return warmed >= read_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -52,7 +52,7 @@ class RecentlyWarmed:
 class InFlight:
     """Files queued or being read, each with the tickets waiting for its outcome.
 
-    Keyed by head depth too, so a request for a deeper head is never answered by
+    Keyed by read_bytes too, so a request for a deeper head is never answered by
     a shallower read. Bounded by construction: the supervisor never gives a
     worker more than its queue limit of tickets, and every key here holds one.
     """
@@ -60,17 +60,17 @@ class InFlight:
     def __init__(self) -> None:
         self._waiting: dict[tuple[int, bytes, int], list[int]] = {}
 
-    def join(self, key: Key, head_bytes: int, ticket: int) -> bool:
+    def join(self, key: Key, read_bytes: int, ticket: int) -> bool:
         """Attach a ticket; True when the file is new and must be queued for reading."""
-        tickets = self._waiting.get((*key, head_bytes))
+        tickets = self._waiting.get((*key, read_bytes))
         if tickets is not None:
             tickets.append(ticket)
             return False
-        self._waiting[(*key, head_bytes)] = [ticket]
+        self._waiting[(*key, read_bytes)] = [ticket]
         return True
 
-    def settle(self, key: Key, head_bytes: int) -> list[int]:
-        return self._waiting.pop((*key, head_bytes), [])
+    def settle(self, key: Key, read_bytes: int) -> list[int]:
+        return self._waiting.pop((*key, read_bytes), [])
 
     def tickets(self) -> list[int]:
         """Every ticket still waiting, for a worker that must fail them all."""

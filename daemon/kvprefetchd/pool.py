@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from kvprefetchd.books import Books, Waiter
 from kvprefetchd.channel import BootFailed, ChannelReader, Done, Message, Ready, Warm, encode
 from kvprefetchd.config import Config
-from kvprefetchd.engines import NoEngine, engine_candidates
-from kvprefetchd.engines.base import Engine, EngineSettings
+from kvprefetchd.engines import EngineSpec, NoEngine, engine_candidates
+from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.residency import RootRule
 from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
@@ -66,7 +66,7 @@ class WorkerHandle:
     watched: int = selectors.EVENT_READ  # the selector events registered for it now
 
 
-def engines_by_mode(config: Config) -> dict[str, tuple[type[Engine], ...]]:
+def engines_by_mode(config: Config) -> dict[str, tuple[EngineSpec, ...]]:
     """The engines to try for each warm mode the workers may be asked for: the configured
     one (NoEngine if none can run), and the other one when a model profile chooses it."""
     choices = {config.warm_mode: engine_candidates(config.engine, config.warm_mode)}

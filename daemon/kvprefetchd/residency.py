@@ -1,7 +1,7 @@
 """Which residency rule each allowed root gets, decided once at start.
 
 Two rules answer "is this head already warm?" before any read (the checks
-themselves run in C, native/prefetch.c):
+themselves run in C, native/residency.c):
 - tier: st_blocks says whether the file's data is on the near tier. Tiered
   file systems (Storage Scale AFM/HSM, Lustre HSM) leave migrated files as
   stubs with no blocks allocated, and their data cache is not Linux's page
@@ -17,8 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# Native codes, mirrored from native/kvprefetch.h (KVP_RES_*).
-RULE_CODES = {"off": 0, "tier": 1, "pagecache": 2}
+from kvprefetchd.native import load_native
 
 # File systems whose cold files are stubs without allocated blocks.
 TIERED_FILESYSTEMS = frozenset({"gpfs", "lustre"})
@@ -33,7 +32,8 @@ class RootRule:
 
     @property
     def code(self) -> int:
-        return RULE_CODES[self.rule]
+        """The rule's native code: KVP_RES_<RULE> of native/kvprefetch.h."""
+        return load_native().rule_codes[self.rule]
 
 
 def parse_mountinfo(text: str) -> list[tuple[str, str, str]]:

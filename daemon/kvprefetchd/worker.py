@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from kvprefetchd import engines
 from kvprefetchd.channel import (
     BootFailed,
     ChannelReader,
@@ -30,6 +31,7 @@ from kvprefetchd.channel import (
     send_all_blocking,
 )
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
+from kvprefetchd.engines import EngineSpec
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, QueueAnswer, WarmItem
 from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
@@ -60,7 +62,7 @@ class WorkerPlan:
     # Warm mode ("read", "advise") -> the engines to try, best first. The first mode is
     # the configured one (built at boot); another is there only when a model profile
     # chooses it and an engine of that mode can run here (built on first use).
-    engines: Mapping[str, tuple[type[Engine], ...]]
+    engines: Mapping[str, tuple[EngineSpec, ...]]
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
@@ -151,27 +153,27 @@ class Worker:
 
     def accept(self, message: Warm) -> None:
         received = time.monotonic()
-        want = message.read_bytes
+        read_bytes = message.read_bytes
         queue = self.pending.get(message.warm_mode)
         if queue is None:
             queue = self.pending[message.warm_mode] = deque()
         for ticket, root_index, relative in message.entries:
             key: Key = (root_index, relative)
-            if self.recent.covers(key, want):
+            if self.recent.covers(key, read_bytes):
                 self.counters["dedup_recent"] += 1
                 self.outcome(ticket, "resident", 0)
                 self.latency.observe(0.0)
                 continue
-            if not self.in_flight.join(key, want, ticket):
+            if not self.in_flight.join(key, read_bytes, ticket):
                 self.counters["dedup_in_flight"] += 1
                 continue
             root_fd = self.root_fd(root_index)
             if root_fd < 0:
-                for waiting in self.in_flight.settle(key, want):
+                for waiting in self.in_flight.settle(key, read_bytes):
                     self.outcome(waiting, "missing", 0)
                 continue
             rule = self.plan.rules[root_index]
-            queue.append(WarmItem(root_fd, rule, relative, want, key, received))
+            queue.append(WarmItem(root_fd, rule, relative, read_bytes, key, received))
 
     def root_fd(self, index: int) -> int:
         """A root that did not exist at start may have been created since: look again."""
@@ -189,11 +191,11 @@ class Worker:
         budget = MAX_BATCH_BYTES
         while (
             pending
-            and (not queued or pending[0].want <= budget)
+            and (not queued or pending[0].read_bytes <= budget)
             and engine.queue(pending[0]) is QueueAnswer.QUEUED
         ):
             item = pending.popleft()
-            budget -= item.want
+            budget -= item.read_bytes
             queued.append(item)
         if self.faults is not None:
             self.faults.apply([item.relative for item in queued])
@@ -219,10 +221,10 @@ class Worker:
     def settle(self, completion: Completion) -> None:
         item = completion.item
         if completion.outcome in ("read", "resident"):
-            self.recent.remember(item.key, item.want)
+            self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
         self.latency.observe(time.monotonic() - item.received)
-        tickets = self.in_flight.settle(item.key, item.want)
+        tickets = self.in_flight.settle(item.key, item.read_bytes)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
             self.outcome(ticket, completion.outcome, bytes_read if position == 0 else 0)
@@ -261,18 +263,9 @@ class Worker:
         self.latency = Histogram(FILE_BUCKETS)
 
 
-def build_engine(plan: WorkerPlan, candidates: tuple[type[Engine], ...]) -> Engine:
+def build_engine(plan: WorkerPlan, candidates: tuple[EngineSpec, ...]) -> Engine:
     """The first candidate engine that sets up here; the last one's error if none does."""
-    failure: Exception | None = None
-    for engine_class in candidates:
-        try:
-            return engine_class(plan.engine_settings)
-        except Exception as error:
-            log.warning("worker %d: engine %s: %s", plan.index, engine_class.name, error)
-            failure = error
-    if failure is None:
-        raise RuntimeError("no engine to build")
-    raise failure
+    return engines.build_engine(candidates, plan.engine_settings, f"worker {plan.index}")
 
 
 def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:

@@ -318,9 +318,9 @@ def test_stats_books_balance_after_mixed_traffic(daemon: Daemon) -> None:
 
 
 def uring_unavailable() -> str | None:
-    from kvprefetchd.engines.uring import UringEngine
+    from kvprefetchd.engines import URING_READ
 
-    return UringEngine.unavailable_reason()
+    return URING_READ.unavailable_reason()
 
 
 @pytest.mark.parametrize(("engine", "expected"), [("io_uring", "io_uring"),

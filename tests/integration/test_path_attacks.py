@@ -1,7 +1,7 @@
 """Path confinement under attack: well over a thousand hostile paths against the real daemon,
 with two independent audits proving nothing outside the roots was opened.
 
-The promise (confine.py, native/prefetch.c): no request makes the daemon open anything
+The promise (confine.py, native/open.c): no request makes the daemon open anything
 not reachable beneath an allowed root. Two gates keep it: the supervisor's lexical one
 (absolute, under a root, no `..` component, no NUL, not too long) and the kernel's
 (openat2 RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS against the root's directory fd, an

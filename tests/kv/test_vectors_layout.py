@@ -193,7 +193,8 @@ def test_router_pr1156_path_base_defaulting(case: dict[str, Any]) -> None:
 
 # Its residency_cases and submit_cases are the worker's tier rule and the supervisor's
 # bounded queues, not the kv package: tests/integration/test_plugin_vectors.py runs them
-# through the real daemon.
+# through the real daemon, and tests/native/test_native_tier_vectors.py feeds the residency
+# cases to the native tier rule itself.
 
 
 def test_every_vector_file_is_covered() -> None:

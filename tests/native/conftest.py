@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from native_helpers import ENGINES, open_root, set_canary, uring_unavailable
+from native_helpers import ENGINES, engine_unavailable, open_root, set_canary
 
 
 @pytest.fixture(autouse=True)
@@ -24,12 +24,12 @@ def canary(tmp_path: Path) -> Iterator[None]:
 
 @pytest.fixture(params=list(ENGINES))
 def engine(request: pytest.FixtureRequest) -> str:
-    """Every engine; the io_uring ones skip with kvp_uring_probe's reason."""
+    """Every row of C's engine table; one that cannot run here skips with kvp_engine_probe's
+    reason (io_uring refused by the kernel or seccomp, or a build without liburing)."""
     name: str = request.param
-    if ENGINES[name][2]:
-        why = uring_unavailable()
-        if why:
-            pytest.skip(f"io_uring unavailable here: {why}")
+    why = engine_unavailable(*ENGINES[name][:2])
+    if why:
+        pytest.skip(f"{name} unavailable here: {why}")
     return name
 
 

@@ -30,22 +30,46 @@ OUTCOMES = {
     lib.KVP_OUT_FAILED: "FAILED",
 }
 
-# name -> (engine, threads, needs io_uring)
-ENGINES: dict[str, tuple[int, int, bool]] = {
-    "pread1": (lib.KVP_ENGINE_PREAD, 1, False),
-    "pread4": (lib.KVP_ENGINE_PREAD, 4, False),
-    "fadvise": (lib.KVP_ENGINE_FADVISE, 1, False),
-    "uring_read": (lib.KVP_ENGINE_URING_READ, 1, True),
-    "uring_fadvise": (lib.KVP_ENGINE_URING_FADVISE, 2, True),
-}
+
+def engine_table() -> list[tuple[str, str]]:
+    """C's own engine table (kvp_engines): (engine, warm mode) per row."""
+    count = lib.kvp_engines(ffi.NULL, 0)
+    table = ffi.new("struct kvp_engine_name[]", count)
+    assert lib.kvp_engines(table, count) == count
+    return [(ffi.string(e.engine).decode(), ffi.string(e.warm_mode).decode()) for e in table]
 
 
-def uring_unavailable() -> str | None:
-    """None when io_uring works here, else kvp_uring_probe's reason."""
+def _engines_to_test() -> dict[str, tuple[str, str, int]]:
+    """Test name -> (engine, warm mode, threads): every row of C's table (one thread, two for
+    the io_uring advice engine's confirm), and pread with 4 threads."""
+    rows = {f"{e}-{m}": (e, m, 2 if (e, m) == ("io_uring", "advise") else 1)
+            for e, m in engine_table()}
+    return {**rows, "pread-read-t4": ("pread", "read", 4)}
+
+
+ENGINES = _engines_to_test()
+
+
+def engine_unavailable(engine: str, warm_mode: str) -> str | None:
+    """None when the engine can run here, else kvp_engine_probe's reason."""
     why = ffi.new("char[]", 256)
-    if lib.kvp_uring_probe(why, len(why)):
+    if lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, len(why)):
         return None
     return ffi.string(why).decode(errors="replace")
+
+
+def new_ctx(engine: str, warm_mode: str, **config: int) -> Any:
+    """kvp_ctx_new for a row of the table; the cdata (freed when collected) or OSError."""
+    names = ffi.new("char[]", engine.encode()), ffi.new("char[]", warm_mode.encode())
+    full = {"fadv_random": 1, "chunk": 65536, "queue_depth": 8, "threads": 1, "max_open": 8}
+    full.update(config)
+    cfg = ffi.new("struct kvp_config *", full)
+    cfg.engine, cfg.warm_mode = names
+    err = ffi.new("int *")
+    ctx = lib.kvp_ctx_new(cfg, err)
+    if ctx == ffi.NULL:
+        raise OSError(err[0], os.strerror(err[0]))
+    return ffi.gc(ctx, lib.kvp_ctx_free)
 
 
 def fd_count() -> int:
@@ -67,20 +91,20 @@ class Batch:
         self,
         root_fd: int,
         rels: Sequence[str | bytes],
-        want: int | Sequence[int],
-        residency: int = lib.KVP_RES_NONE,
+        read_bytes: int | Sequence[int],
+        residency: int = lib.KVP_RES_OFF,
     ) -> None:
         self.n = len(rels)
         self.items = ffi.new("struct kvp_item[]", max(self.n, 1))
-        wants = [want] * self.n if isinstance(want, int) else list(want)
+        each = [read_bytes] * self.n if isinstance(read_bytes, int) else list(read_bytes)
         self._names = []
-        for item, rel, w in zip(self.items, rels, wants, strict=False):
+        for item, rel, item_read_bytes in zip(self.items, rels, each, strict=False):
             name = ffi.new("char[]", rel.encode() if isinstance(rel, str) else rel)
             self._names.append(name)
             item.root_fd = root_fd
             item.residency = residency
             item.rel = name
-            item.want = w
+            item.read_bytes = item_read_bytes
 
     def results(self) -> list[Result]:
         return [
@@ -102,23 +126,16 @@ class Ctx:
         threads: int | None = None,
         fallback: int = 0,
     ) -> None:
-        eng, default_threads, _ = ENGINES[engine]
-        cfg = ffi.new(
-            "struct kvp_config *",
-            {
-                "engine": eng,
-                "fadv_random": fadv_random,
-                "chunk": chunk,
-                "queue_depth": queue_depth,
-                "threads": default_threads if threads is None else threads,
-                "max_open": max_open,
-            },
+        name, warm_mode, default_threads = ENGINES[engine]
+        self.ctx = new_ctx(
+            name,
+            warm_mode,
+            fadv_random=fadv_random,
+            chunk=chunk,
+            queue_depth=queue_depth,
+            threads=default_threads if threads is None else threads,
+            max_open=max_open,
         )
-        err = ffi.new("int *")
-        ctx = lib.kvp_ctx_new(cfg, err)
-        if ctx == ffi.NULL:
-            raise OSError(err[0], os.strerror(err[0]))
-        self.ctx = ffi.gc(ctx, lib.kvp_ctx_free)
         if fallback:
             lib.kvp_ctx_force_fallback(self.ctx, fallback)
 
@@ -129,8 +146,10 @@ class Ctx:
         assert rc == 0, os.strerror(-rc)
         return batch.results()
 
-    def run(self, root_fd: int, rels: Sequence[str | bytes], want: Any, **kw: Any) -> list[Result]:
-        return self.run_batch(Batch(root_fd, rels, want, **kw))
+    def run(
+        self, root_fd: int, rels: Sequence[str | bytes], read_bytes: Any, **kw: Any
+    ) -> list[Result]:
+        return self.run_batch(Batch(root_fd, rels, read_bytes, **kw))
 
 
 def write_file(path: Path, size: int, *, seed: int = 0) -> Path:

@@ -7,50 +7,95 @@ import os
 from pathlib import Path
 
 import pytest
-from native_helpers import PAGE, Ctx, KiB, MiB, check_warm, evict, write_file
+from native_helpers import (
+    PAGE,
+    Ctx,
+    KiB,
+    MiB,
+    check_warm,
+    engine_table,
+    engine_unavailable,
+    evict,
+    new_ctx,
+    write_file,
+)
 
 from kvprefetchd._native import ffi, lib
+
+TABLE = [("pread", "read"), ("fadvise", "advise"), ("io_uring", "read"), ("io_uring", "advise")]
 
 
 def test_import_constants_and_a_call() -> None:
     assert lib.KVP_OUT_READ == 0 and lib.KVP_OUT_FAILED == 4
-    assert lib.KVP_ENGINE_URING_FADVISE == 3
-    assert lib.KVP_RES_PAGECACHE == 2
+    assert lib.KVP_RES_OFF == 0 and lib.KVP_RES_PAGECACHE == 2
     assert lib.kvp_have_cachestat() in (0, 1)
     assert lib.kvp_resident_bytes(-1, 0, PAGE, 0) == -errno.EBADF
     assert lib.kvp_resident_bytes(-1, 0, PAGE, 1) == -errno.EBADF
 
 
-def test_uring_probe_reports_a_reason() -> None:
+def test_the_engine_table_lists_every_engine_once() -> None:
+    assert engine_table() == TABLE
+    # A short array gets the first rows; the count is the whole table's either way.
+    one = ffi.new("struct kvp_engine_name[]", 1)
+    assert lib.kvp_engines(one, 1) == len(TABLE)
+    assert (ffi.string(one[0].engine), ffi.string(one[0].warm_mode)) == (b"pread", b"read")
+
+
+@pytest.mark.parametrize(("engine", "warm_mode"), TABLE)
+def test_engine_probe_reports_a_reason(engine: str, warm_mode: str) -> None:
     why = ffi.new("char[]", 128)
-    ok = lib.kvp_uring_probe(why, 128)
+    ok = lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, 128)
     text = ffi.string(why).decode()
-    assert ok in (0, 1)
     assert (ok == 1 and text == "") or (ok == 0 and text), text
-    # A tiny buffer is never overrun.
+    if engine != "io_uring":
+        assert ok == 1, "pread and posix_fadvise need nothing of the kernel"
+    # A tiny buffer is never overrun, and no buffer at all is allowed.
     small = ffi.new("char[]", 4)
-    lib.kvp_uring_probe(small, 4)
+    assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), small, 4) == ok
     assert len(ffi.string(small)) <= 3
+    assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), ffi.NULL, 0) == ok
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    ("engine", "warm_mode"),
+    [("nope", "read"), ("pread", "advise"), ("fadvise", "read"), ("io_uring", "write"),
+     ("", ""), ("IO_URING", "read")],
+)
+def test_an_unknown_engine_is_refused(engine: str, warm_mode: str) -> None:
+    why = ffi.new("char[]", 128)
+    assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, 128) == 0
+    assert f"no engine {engine} with warm mode {warm_mode}" == ffi.string(why).decode()
+    with pytest.raises(OSError) as refused:
+        new_ctx(engine, warm_mode)
+    assert refused.value.errno == errno.EINVAL
+
+
+def test_a_null_engine_name_is_refused() -> None:
+    why = ffi.new("char[]", 128)
+    assert lib.kvp_engine_probe(ffi.NULL, b"read", why, 128) == 0
+    assert lib.kvp_engine_probe(b"pread", ffi.NULL, why, 128) == 0
+    cfg = ffi.new("struct kvp_config *", {"chunk": 65536, "max_open": 8, "threads": 1})
+    err = ffi.new("int *")
+    assert lib.kvp_ctx_new(cfg, err) == ffi.NULL
+    assert err[0] == errno.EINVAL
+
+
+@pytest.mark.parametrize(
+    ("engine", "warm_mode", "cfg"),
     [
-        {"engine": 7},
-        {"engine": -1},
-        {"chunk": 0},
-        {"chunk": 1 << 30},
-        {"max_open": 0},
-        {"engine": lib.KVP_ENGINE_URING_READ, "queue_depth": 0},
+        ("pread", "read", {"chunk": 0}),
+        ("pread", "read", {"chunk": 1 << 30}),
+        ("pread", "read", {"max_open": 0}),
+        ("fadvise", "advise", {"max_open": 0}),
+        ("io_uring", "read", {"queue_depth": 0}),
+        ("io_uring", "advise", {"queue_depth": 0}),
     ],
 )
-def test_ctx_new_rejects_bad_config(cfg: dict[str, int]) -> None:
-    full = {"engine": lib.KVP_ENGINE_PREAD, "fadv_random": 1, "chunk": 65536,
-            "queue_depth": 8, "threads": 1, "max_open": 8}
-    full.update(cfg)
-    err = ffi.new("int *")
-    assert lib.kvp_ctx_new(ffi.new("struct kvp_config *", full), err) == ffi.NULL
-    assert err[0] == errno.EINVAL
+def test_ctx_new_rejects_bad_config(engine: str, warm_mode: str, cfg: dict[str, int]) -> None:
+    """EINVAL, before anything else (a build without liburing included)."""
+    with pytest.raises(OSError) as refused:
+        new_ctx(engine, warm_mode, **cfg)
+    assert refused.value.errno == errno.EINVAL
 
 
 def test_ctx_new_null_config() -> None:
@@ -61,7 +106,7 @@ def test_ctx_new_null_config() -> None:
 
 
 def test_empty_batch_and_null_ctx() -> None:
-    ctx = Ctx("pread1")
+    ctx = Ctx("pread-read")
     assert lib.kvp_run_batch(ctx.ctx, ffi.NULL, 0) == 0
     items = ffi.new("struct kvp_item[]", 2)
     assert lib.kvp_run_batch(ffi.NULL, items, 2) == -errno.EINVAL
@@ -106,17 +151,16 @@ def test_resident_bytes_on_a_write_only_fd_uses_what_it_can(tmp_path: Path) -> N
         os.close(fd)
 
 
-def test_uring_engines_need_liburing() -> None:
+@pytest.mark.parametrize("warm_mode", ["read", "advise"])
+def test_uring_engines_need_liburing(warm_mode: str) -> None:
     """Built without liburing, the io_uring engines fail kvp_ctx_new with ENOSYS."""
-    why = ffi.new("char[]", 64)
-    cfg = ffi.new("struct kvp_config *", {"engine": lib.KVP_ENGINE_URING_READ, "fadv_random": 1,
-                                          "chunk": 65536, "queue_depth": 8, "threads": 1,
-                                          "max_open": 8})
-    err = ffi.new("int *")
-    ctx = lib.kvp_ctx_new(cfg, err)
-    if lib.kvp_uring_probe(why, 64) == 0 and ffi.string(why) == b"built without liburing":
-        assert ctx == ffi.NULL and err[0] == errno.ENOSYS
-    elif ctx != ffi.NULL:
-        lib.kvp_ctx_free(ctx)
+    why = engine_unavailable("io_uring", warm_mode)
+    try:
+        new_ctx("io_uring", warm_mode)
+    except OSError as error:
+        if why == "built without liburing":
+            assert error.errno == errno.ENOSYS
+        else:
+            assert why is not None, f"ring setup refused although the probe passed: {error}"
     else:
-        assert lib.kvp_uring_probe(why, 64) == 0, "ring setup refused although the probe passed"
+        assert why is None, f"a ring was set up although the probe said: {why}"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from native_helpers import (
+    OUTCOMES,
     PAGE,
     Batch,
     Ctx,
@@ -57,20 +58,20 @@ def make_files(root: Path, n: int, size: int, prefix: str = "f") -> list[str]:
 
 
 def test_cold_heads_are_read_then_resident(engine: str, root) -> None:
-    size, want = 4 * MiB, MiB
+    size, read_bytes = 4 * MiB, MiB
     rels = make_files(root.path, 8, size)
     ctx = Ctx(engine, chunk=256 * KiB, queue_depth=8, max_open=4)
-    res = ctx.run(root.fd, rels, want)
-    assert res == [Result("READ", "", size, want)] * len(rels)
+    res = ctx.run(root.fd, rels, read_bytes)
+    assert res == [Result("READ", "", size, read_bytes)] * len(rels)
     for rel in rels:
-        assert_warm(root.path / rel, want)
+        assert_warm(root.path / rel, read_bytes)
         # FADV_RANDOM: no readahead window beyond the head
-        assert resident(root.path / rel, 0, size, 0) <= want + RANDOM_SLACK
+        assert resident(root.path / rel, 0, size, 0) <= read_bytes + RANDOM_SLACK
     # Second batch, page-cache rule: everything is already there, nothing read.
-    res = ctx.run(root.fd, rels, want, residency=lib.KVP_RES_PAGECACHE)
-    assert res == [Result("RESIDENT", "", size, want)] * len(rels) or skip_if_dropped(), res
+    res = ctx.run(root.fd, rels, read_bytes, residency=lib.KVP_RES_PAGECACHE)
+    assert res == [Result("RESIDENT", "", size, read_bytes)] * len(rels) or skip_if_dropped(), res
     for rel in rels:
-        assert resident(root.path / rel, 0, size, 0) <= want + RANDOM_SLACK
+        assert resident(root.path / rel, 0, size, 0) <= read_bytes + RANDOM_SLACK
 
 
 def test_pagecache_rule_reads_a_partly_cached_head(engine: str, root) -> None:
@@ -94,13 +95,13 @@ def test_head_shapes(engine: str, root) -> None:
     for name in ("short", "big", "tiny"):
         evict(root.path / name)
     rels = ["short", "empty", "big", "big", "tiny"]
-    wants = [MiB, MiB, odd, 0, MiB]
-    res = Ctx(engine, chunk=256 * KiB).run(root.fd, rels, wants)
+    read_bytes = [MiB, MiB, odd, 0, MiB]
+    res = Ctx(engine, chunk=256 * KiB).run(root.fd, rels, read_bytes)
     assert res == [
         Result("READ", "", short, short),
         Result("RESIDENT", "", 0, 0),  # empty file: nothing to warm
         Result("READ", "", 4 * MiB, odd),
-        Result("RESIDENT", "", 4 * MiB, 0),  # want 0: nothing to warm
+        Result("RESIDENT", "", 4 * MiB, 0),  # read_bytes 0: nothing to warm
         Result("READ", "", 1, 1),
     ]
     assert_warm(root.path / "short", short)
@@ -158,26 +159,26 @@ def test_special_files_are_rejected_without_blocking(engine: str, root, monkeypa
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind("sock")
     rels = ["fifo", "sock", "dir", "."]
-    want = [("REJECTED", "EINVAL"), ("REJECTED", "EINVAL"), ("REJECTED", "EISDIR"),
+    expected = [("REJECTED", "EINVAL"), ("REJECTED", "EINVAL"), ("REJECTED", "EISDIR"),
             ("REJECTED", "EISDIR")]
     try:
         os.mknod(root.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
         rels.append("null")
-        want.append(("REJECTED", "EINVAL"))
+        expected.append(("REJECTED", "EINVAL"))
     except PermissionError:
         pass  # no CAP_MKNOD here: the FIFO and the socket still cover non-regular files
     try:
         res = Ctx(engine).run(root.fd, rels, MiB)
     finally:
         sock.close()
-    assert [(r.outcome, r.err) for r in res] == want
+    assert [(r.outcome, r.err) for r in res] == expected
 
 
 def test_device_node_needs_root(root) -> None:
     if os.geteuid() != 0:
         pytest.skip("mknod of a device node needs root")
     os.mknod(root.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
-    res = Ctx("pread1").run(root.fd, ["null"], MiB)
+    res = Ctx("pread-read").run(root.fd, ["null"], MiB)
     assert [(r.outcome, r.err) for r in res] == [("REJECTED", "EINVAL")]
 
 
@@ -237,7 +238,7 @@ def test_full_ring_and_fd_budget(engine: str, root) -> None:
 
 
 def test_tier_rule(engine: str, root) -> None:
-    size, want = 4 * MiB, MiB
+    size, read_bytes = 4 * MiB, MiB
     with open(root.path / "stub", "wb") as f:  # a recalled-nothing stub: no blocks at all
         f.truncate(size)
     write_file(root.path / "full", size)
@@ -251,14 +252,14 @@ def test_tier_rule(engine: str, root) -> None:
         evict(root.path / name)
     assert os.stat(root.path / "stub").st_blocks == 0
     rels = ["stub", "full", "partial", "small_full"]
-    res = Ctx(engine).run(root.fd, rels, want, residency=lib.KVP_RES_TIER)
+    res = Ctx(engine).run(root.fd, rels, read_bytes, residency=lib.KVP_RES_TIER)
     assert res == [
-        Result("READ", "", size, want),
-        Result("RESIDENT", "", size, want),
-        Result("READ", "", size, want),
+        Result("READ", "", size, read_bytes),
+        Result("RESIDENT", "", size, read_bytes),
+        Result("READ", "", size, read_bytes),
         Result("RESIDENT", "", 100 * KiB, 100 * KiB),
     ]
-    assert_warm(root.path / "stub", want)
+    assert_warm(root.path / "stub", read_bytes)
     # RESIDENT under the tier rule means not even opened for reading: still cold
     assert resident(root.path / "full", 0, size, 0) == 0
     assert resident(root.path / "small_full", 0, 100 * KiB, 0) == 0
@@ -279,3 +280,33 @@ def test_ctx_is_reused_across_many_batches(engine: str, root) -> None:
         batch = [*rels[k * 2 : k * 2 + 2], "missing"]
         res = ctx.run(root.fd, batch, 128 * KiB)
         assert [r.outcome for r in res] == ["READ", "READ", "MISSING"]
+
+
+def test_one_batch_settles_every_outcome(engine: str, root, tmp_path: Path) -> None:
+    """Every row of C's engine table, one batch mixing an item of each outcome, each item
+    under its own root as the worker sends them (the failed one under sysfs)."""
+    eio_base, eio_rel = real_eio()
+    write_file(tmp_path / "outside", 4096)
+    (cold,) = make_files(root.path, 1, 256 * KiB, "cold")
+    write_file(root.path / "warm", 64 * KiB)
+    with open(root.path / "warm", "rb") as f:
+        f.read()
+    eio_root = os.open(eio_base, os.O_PATH | os.O_DIRECTORY)
+    try:
+        batch = Batch(root.fd, [cold, "warm", "nope", "../outside", eio_rel], 128 * KiB,
+                      residency=lib.KVP_RES_PAGECACHE)
+        batch.items[4].root_fd = eio_root
+        batch.items[4].residency = lib.KVP_RES_OFF
+        res = Ctx(engine).run_batch(batch)
+    finally:
+        os.close(eio_root)
+    assert res[1].outcome == "RESIDENT" or skip_if_dropped(), res
+    assert res == [
+        Result("READ", "", 256 * KiB, 128 * KiB),
+        Result("RESIDENT", "", 64 * KiB, 64 * KiB),
+        Result("MISSING", "ENOENT", 0, 0),
+        Result("REJECTED", "EXDEV", 0, 0),
+        Result("FAILED", "EIO", res[4].size, 0),
+    ]
+    assert {r.outcome for r in res} == set(OUTCOMES.values()), "a new outcome: add its item"
+    assert_warm(root.path / cold, 128 * KiB)

@@ -61,7 +61,7 @@ def test_non_owner_never_sees_a_false_resident(root) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         batch = Batch(root.fd, ["f"], MiB, residency=lib.KVP_RES_PAGECACHE)
-        ctx = Ctx("pread1")
+        ctx = Ctx("pread-read")
 
         def child() -> dict[str, Any]:
             return {

@@ -156,7 +156,9 @@ class RecordingEngine:
 
     def submit(self) -> int:
         self.batches.append(len(self.queued))
-        self.done += [Completion(item, "read", 0, item.want, item.want) for item in self.queued]
+        self.done += [
+            Completion(item, "read", 0, item.read_bytes, item.read_bytes) for item in self.queued
+        ]
         self.queued = []
         return self.batches[-1]
 

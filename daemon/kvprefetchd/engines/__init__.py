@@ -1,4 +1,10 @@
-"""Engine registry: pick one by name, or the best this machine offers.
+"""Engine registry: one table from the configured engine and a warm mode to a native engine.
+
+The native engines are the rows of C's own table (native/prefetch.c, listed by
+kvp_engines), each named by an engine and the warm mode it implements:
+pread/read, fadvise/advise, io_uring/read, io_uring/advise. ENGINE_TABLE says
+which of them serves each configured `engine` in each warm mode; AUTO_ORDER is
+what `auto` tries, best first.
 
 `auto` picks by measurement, not by reputation (bench/warmup.py, same cold
 files, same run; README "Performance"): in read mode the pread engine (16
@@ -13,53 +19,158 @@ a deeper queue matters more than open cost, measure `engine = "io_uring"`.
 The supervisor probes once and logs why an engine is passed over; each worker
 then builds the first candidate that works for it, so a ring refused inside a
 worker (seccomp, a memory limit) degrades to the fallback instead of failing
-the boot.
+the boot. Warm modes travel by name ("read", "advise"): `engine_candidates`
+and `WarmEngines` take one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from kvprefetchd.engines.base import Engine
-from kvprefetchd.engines.fadvise import FadviseEngine
-from kvprefetchd.engines.pread import PreadEngine
-from kvprefetchd.engines.uring import UringAdviseEngine, UringEngine
+from kvprefetchd.engines.base import Engine, EngineSettings
+from kvprefetchd.native import NativeUnavailable, load_native
 
 log = logging.getLogger("kvprefetchd.engines")
+
+WARM_MODES = ("read", "advise")
 
 
 class NoEngine(RuntimeError):
     """The configured engine cannot run here; the message says why."""
 
 
-def _named(name: str, warm_mode: str) -> type[Engine]:
-    if name == "io_uring":
-        return UringAdviseEngine if warm_mode == "advise" else UringEngine
-    if name == "fadvise":
-        return FadviseEngine
-    if name == "pread":
-        # pread has no advise form: posix_fadvise(WILLNEED) is the portable one.
-        return FadviseEngine if warm_mode == "advise" else PreadEngine
-    raise NoEngine(f"unknown engine {name!r}")
+@dataclass(frozen=True)
+class EngineSpec:
+    """A row of C's engine table: the engine (as ping and stats name it) and its warm mode."""
+
+    name: str
+    warm_mode: str
+
+    def unavailable_reason(self) -> str | None:
+        """None when this engine can run here, else why not (kvp_engine_probe)."""
+        try:
+            native = load_native()
+        except NativeUnavailable as error:
+            return str(error)
+        return native.engine_unavailable(self.name, self.warm_mode)
+
+    def build(self, settings: EngineSettings) -> Engine:
+        return Engine(self.name, self.warm_mode, settings)
 
 
-def engine_candidates(name: str, warm_mode: str) -> tuple[type[Engine], ...]:
+PREAD = EngineSpec("pread", "read")
+FADVISE = EngineSpec("fadvise", "advise")
+URING_READ = EngineSpec("io_uring", "read")
+URING_ADVISE = EngineSpec("io_uring", "advise")
+
+# configured engine -> warm mode -> the native engine that serves it.
+ENGINE_TABLE: Mapping[str, Mapping[str, EngineSpec]] = {
+    # pread has no advise form: posix_fadvise(WILLNEED) is the portable one.
+    "pread": {"read": PREAD, "advise": FADVISE},
+    # fadvise only advises; its confirming pread makes `read` true of it in read mode too.
+    "fadvise": {"read": FADVISE, "advise": FADVISE},
+    "io_uring": {"read": URING_READ, "advise": URING_ADVISE},
+}
+
+# What `auto` tries per warm mode, best first (measured: see the module's docstring).
+AUTO_ORDER: Mapping[str, tuple[str, ...]] = {
+    "read": ("pread", "io_uring"),
+    "advise": ("io_uring", "fadvise"),
+}
+
+
+def engine_spec(name: str, warm_mode: str) -> EngineSpec:
+    """The native engine serving a configured engine name in a warm mode."""
+    if warm_mode not in WARM_MODES:
+        raise NoEngine(f"unknown warm mode {warm_mode!r}")
+    try:
+        return ENGINE_TABLE[name][warm_mode]
+    except KeyError:
+        raise NoEngine(f"unknown engine {name!r}") from None
+
+
+def engine_candidates(name: str, warm_mode: str) -> tuple[EngineSpec, ...]:
     """The engines to try, best first; explicit names allow no fallback."""
     if name != "auto":
-        chosen = _named(name, warm_mode)
+        chosen = engine_spec(name, warm_mode)
         reason = chosen.unavailable_reason()
         if reason is not None:
             raise NoEngine(f"engine {name} is unavailable: {reason}")
         return (chosen,)
+    if warm_mode not in AUTO_ORDER:
+        raise NoEngine(f"unknown warm mode {warm_mode!r}")
     candidates = []
-    order = ("io_uring", "fadvise") if warm_mode == "advise" else ("pread", "io_uring")
-    for option in order:
-        engine = _named(option, warm_mode)
-        reason = engine.unavailable_reason()
+    for option in AUTO_ORDER[warm_mode]:
+        spec = engine_spec(option, warm_mode)
+        reason = spec.unavailable_reason()
         if reason is None:
-            candidates.append(engine)
+            candidates.append(spec)
         else:
             log.info("engine auto: passing over %s: %s", option, reason)
     if not candidates:
         raise NoEngine("no engine can run here (is the native extension built?)")
     return tuple(candidates)
+
+
+def build_engine(candidates: Sequence[EngineSpec], settings: EngineSettings, who: str) -> Engine:
+    """The first candidate that sets up here; the last one's error if none does."""
+    failure: Exception | None = None
+    for spec in candidates:
+        try:
+            return spec.build(settings)
+        except Exception as error:
+            log.warning("%s: engine %s: %s", who, spec.name, error)
+            failure = error
+    if failure is None:
+        raise RuntimeError("no engine to build")
+    raise failure
+
+
+class WarmEngines:
+    """A worker's engines by warm mode name, each built on first use from that mode's candidates.
+
+    A mode whose candidates are missing or all fail to set up is served by the
+    default mode's engine (warned once), as a model profile asking for advice
+    where no advice engine runs still gets its files warmed.
+    """
+
+    def __init__(
+        self,
+        candidates: Mapping[str, Sequence[EngineSpec]],
+        default_mode: str,
+        settings: EngineSettings,
+        who: str,
+    ) -> None:
+        self._candidates = candidates
+        self._settings = settings
+        self._who = who
+        self.default_mode = default_mode
+        self._built: dict[str, Engine] = {}
+
+    @property
+    def default(self) -> Engine:
+        """The configured warm mode's engine: built first, and its failure is the worker's."""
+        engine = self._built.get(self.default_mode)
+        if engine is None:
+            engine = build_engine(self._candidates.get(self.default_mode, ()), self._settings,
+                                  self._who)
+            self._built[self.default_mode] = engine
+        return engine
+
+    def for_mode(self, warm_mode: str) -> Engine:
+        """The engine for a warm mode by name; the default one where that mode has none."""
+        if warm_mode == self.default_mode:
+            return self.default
+        engine = self._built.get(warm_mode)
+        if engine is None:
+            try:
+                engine = build_engine(self._candidates.get(warm_mode, ()), self._settings,
+                                      self._who)
+            except Exception as error:
+                engine = self.default
+                log.warning("%s: warm mode %s unavailable (%s); using %s", self._who,
+                            warm_mode, error, engine.name)
+            self._built[warm_mode] = engine
+        return engine

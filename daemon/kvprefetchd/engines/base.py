@@ -2,21 +2,21 @@
 
 `queue` answers QUEUED or BUSY: backpressure is part of the contract, so the
 worker stops feeding an engine that is full instead of growing a hidden list.
-Every engine here hands its whole batch to C in one call (native/prefetch.c),
-with the GIL released: crossing the cffi boundary per file would cost more
-than the residency check it wraps.
+Every engine hands its whole batch to C in one call (kvp_run_batch), with the
+GIL released: crossing the cffi boundary per file would cost more than the
+residency check it wraps. One class serves every engine: what differs between
+them is a row of C's engine table (native/prefetch.c), named by the engine and
+its warm mode; engines/__init__.py says which row serves which configuration.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from kvprefetchd.native import NativeUnavailable, load_native
-
-# Native outcome codes (KVP_OUT_*) to protocol names.
-OUTCOME_NAMES = ("read", "resident", "missing", "rejected", "failed")
 
 
 class QueueAnswer(enum.Enum):
@@ -41,7 +41,7 @@ class WarmItem:
     root_fd: int
     rule: int
     relative: bytes
-    want: int
+    read_bytes: int  # the request's read_bytes: how much of the head to warm
     key: Any = None
     received: float = 0.0  # monotonic time the worker got it: per-file latency starts here
 
@@ -56,37 +56,31 @@ class Completion:
 
 
 class Engine:
-    """Base for the batch engines; a subclass names its native engine code and mode."""
+    """A native context for one row of C's engine table, fed a batch at a time."""
 
-    name: ClassVar[str]
-    native_engine: ClassVar[str]
-
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, name: str, warm_mode: str, settings: EngineSettings) -> None:
+        self.name = name
+        self.warm_mode = warm_mode
         self.settings = settings
         self._native = load_native()
+        self._outcome_names = self._native.outcome_names
         self._queued: list[WarmItem] = []
         self._done: list[Completion] = []
-        config = self._native.ffi.new("struct kvp_config *")
-        config.engine = getattr(self._native.lib, self.native_engine)
+        ffi = self._native.ffi
+        engine, mode = ffi.new("char[]", name.encode()), ffi.new("char[]", warm_mode.encode())
+        config = ffi.new("struct kvp_config *")
+        config.engine = engine  # kvp_ctx_new keeps the table's copy: these may go after it
+        config.warm_mode = mode
         config.fadv_random = int(settings.fadv_random)
         config.chunk = settings.chunk_bytes
         config.queue_depth = settings.queue_depth
         config.threads = settings.pread_threads
         config.max_open = settings.max_open_files
-        error = self._native.ffi.new("int *")
+        error = ffi.new("int *")
         ctx = self._native.lib.kvp_ctx_new(config, error)
-        if ctx == self._native.ffi.NULL:
-            raise NativeUnavailable(f"{self.name}: cannot set up ({_strerror(error[0])})")
-        self._ctx = self._native.ffi.gc(ctx, self._native.lib.kvp_ctx_free)
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        """None when this engine can run here, else why not (probed once per process)."""
-        try:
-            load_native()
-        except NativeUnavailable as error:
-            return str(error)
-        return None
+        if ctx == ffi.NULL:
+            raise NativeUnavailable(f"{name}: cannot set up ({_strerror(error[0])})")
+        self._ctx = ffi.gc(ctx, self._native.lib.kvp_ctx_free)
 
     def queue(self, item: WarmItem) -> QueueAnswer:
         if len(self._queued) >= self.settings.batch_files:
@@ -111,7 +105,7 @@ class Engine:
             native.root_fd = item.root_fd
             native.residency = item.rule
             native.rel = base + offset
-            native.want = item.want
+            native.read_bytes = item.read_bytes
             offset += len(item.relative) + 1
         status = lib.kvp_run_batch(self._ctx, native_items, len(items))
         if status < 0 and all(n.outcome == 0 and n.done == 0 for n in native_items):
@@ -119,7 +113,7 @@ class Engine:
             self._done.extend(Completion(item, "failed", -status, 0, 0) for item in items)
             return len(items)
         for native, item in zip(native_items, items, strict=True):
-            outcome = OUTCOME_NAMES[native.outcome]
+            outcome = self._outcome_names[native.outcome]
             self._done.append(Completion(item, outcome, native.err, native.size, native.done))
         return len(items)
 
@@ -129,8 +123,6 @@ class Engine:
 
 
 def _strerror(error: int) -> str:
-    import os
-
     try:
         return os.strerror(error)
     except ValueError:

@@ -189,7 +189,7 @@ def _open_regular(path: str) -> int:
 
     The supervisor runs discovery in its only thread: open() of a FIFO with no
     writer would block it (and every client) for ever, and open() of a device can
-    have side effects. So, as native/prefetch.c does: an O_PATH fd (which opens
+    have side effects. So, as native/open.c does: an O_PATH fd (which opens
     nothing), fstat, then reopen that very inode through /proc/self/fd; where /proc
     is missing, O_NONBLOCK (a FIFO never blocks) and the same check after the open.
     Raises OSError: EINVAL for what is not a regular file, ELOOP or ENOTDIR for a symlink.

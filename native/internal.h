@@ -1,0 +1,116 @@
+/*
+ * internal.h: what the native files share.  cffi never reads it: the boundary
+ * with Python is kvprefetch.h alone.  Include it first (it sets _GNU_SOURCE);
+ * prefetch.c's header comment maps the files.
+ */
+#ifndef KVP_INTERNAL_H
+#define KVP_INTERNAL_H
+
+#define _GNU_SOURCE
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include "kvprefetch.h"
+
+/* ---- limits shared by several files (each engine's own are in its file) -- */
+#define KVP_MAX_CHUNK (64u << 20)     /* bytes per request; scratch is threads x chunk */
+#define KVP_MAX_THREADS 256           /* PREAD / confirm threads per batch */
+#define KVP_FD_RESERVE 64             /* RLIMIT_NOFILE share left to the rest of the process */
+#define KVP_RETRIES 8                 /* EAGAIN from openat2 or a read before FAILED */
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+#pragma GCC visibility push(hidden)  /* none of this is the module's API */
+
+struct kvp_engine;
+
+struct kvp_ctx {
+    struct kvp_config cfg;           /* validated copy; its names point into the table */
+    const struct kvp_engine *engine;
+    void *engine_data;               /* the engine's own: its setup makes it, teardown frees */
+    int have_openat2;                /* probed once: openat2(2) is Linux 5.6+ */
+    int have_proc;                   /* /proc/self/fd usable for the race-free reopen */
+    int broken;                      /* errno that made the engine unusable; later batches fail */
+    char *scratch;                   /* threads x chunk; the data is thrown away */
+    size_t scratch_len;
+};
+
+/*
+ * An engine, in the manner of fio's ioengines: one const instance per engine
+ * file, listed in prefetch.c's table.  Only name, warm_mode and run are
+ * required.  The context calls probe (kvp_engine_probe), then, per context,
+ * setup once, run once per batch, teardown once (also after a failed setup).
+ */
+struct kvp_engine {
+    const char *name;       /* kvp_config.engine */
+    const char *warm_mode;  /* kvp_config.warm_mode: "read" or "advise" */
+    /* 1 when it can run here, else 0 and why (NUL-terminated, at most whylen
+     * bytes, whylen > 0).  NULL: it can always run. */
+    int (*probe)(char *why, size_t whylen);
+    /* Validate the cfg fields only this engine reads and make c->engine_data
+     * (cfg is already validated and clamped otherwise): 0 or an errno. */
+    int (*setup)(struct kvp_ctx *c);
+    /* Warm n > 0 items, which arrive FAILED with err 0 and size = done = 0, and
+     * settle every one: 0, or -errno when the engine itself failed (every item
+     * not warmed is then FAILED with that errno; set c->broken if later
+     * batches cannot run either). */
+    int (*run)(struct kvp_ctx *c, struct kvp_item *items, size_t n);
+    /* Free what setup made, however far it got. */
+    void (*teardown)(struct kvp_ctx *c);
+};
+
+extern const struct kvp_engine kvp_engine_pread;          /* engine_pread.c */
+extern const struct kvp_engine kvp_engine_fadvise;        /* engine_fadvise.c */
+extern const struct kvp_engine kvp_engine_uring_read;     /* engine_uring.c */
+extern const struct kvp_engine kvp_engine_uring_fadvise;  /* engine_uring.c */
+
+/* Settle an item; -1, so item_open can `return settle(...)`. */
+static inline int settle(struct kvp_item *it, int outcome, int err)
+{
+    it->outcome = outcome;
+    it->err = err;
+    return -1;
+}
+
+/* ---- open.c ------------------------------------------------------------- */
+/* Probe openat2 and /proc once, for c->have_openat2 and c->have_proc. */
+void kvp_open_probe(struct kvp_ctx *c);
+/* Open, classify and check one item: a read fd and *span (the bytes to warm:
+ * min(st_size, read_bytes)), or -1 when the item is settled (RESIDENT /
+ * MISSING / REJECTED / FAILED). */
+int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span);
+/* Drop O_NONBLOCK from fd (see open.c): 0, or -1 with errno. */
+int kvp_clear_nonblock(int fd);
+
+/* ---- residency.c -------------------------------------------------------- */
+/* The storage-tier rule: 1 when st says [0, read_bytes) is on the near tier. */
+int kvp_tier_resident(const struct stat *st, uint64_t read_bytes);
+
+/* ---- pool.c ------------------------------------------------------------- */
+/* Warm items over cfg.threads threads.  fds NULL: each item is opened here
+ * (kvp_item_open); else fds[i] (-1: settled already) is item i's read fd and
+ * spans[i] its span.  Every fd handed over is closed. */
+void kvp_run_pool(struct kvp_ctx *c, struct kvp_item *items, size_t n,
+                  const int *fds, const uint64_t *spans);
+
+/* ---- engine_fadvise.c: the advice engines' shared loop ------------------- */
+/* A window of up to max_open open files, advised, then confirmed. */
+struct kvp_window {
+    int *fds;         /* read fd per item, -1 where the item settled on open */
+    uint64_t *spans;  /* its span */
+};
+int kvp_window_alloc(struct kvp_window *w, uint32_t max_open);  /* 0 or ENOMEM */
+void kvp_window_free(struct kvp_window *w);
+/* How an advice engine advises: per file as soon as it is open (NULL: no
+ * such step), and per window once all of it is open (NULL: none), the latter
+ * returning 0 or -errno, which fails every item not yet confirmed. */
+struct kvp_advice {
+    void (*file)(struct kvp_ctx *c, int fd, uint64_t span);
+    int (*window)(struct kvp_ctx *c, const int *fds, const uint64_t *spans, size_t m);
+};
+int kvp_advise_and_confirm(struct kvp_ctx *c, struct kvp_window *w, const struct kvp_advice *how,
+                           struct kvp_item *items, size_t n);
+
+#pragma GCC visibility pop
+
+#endif

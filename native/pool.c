@@ -1,0 +1,80 @@
+/*
+ * pool.c: blocking preads of heads, spread over cfg.threads threads.  The pread
+ * engine is this pool opening its own items; the advice engines hand it their
+ * window of open fds to confirm (engine_fadvise.c).
+ */
+#include "internal.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
+
+#define KVP_THREAD_STACK (256u << 10)
+
+/* Read [0, span) of fd into buf (thrown away), settle the item, close fd. */
+static void warm_read(const struct kvp_ctx *c, struct kvp_item *it, int fd, uint64_t span, char *buf)
+{
+    uint64_t off = 0;
+    int e = 0, tries = 0;
+    while (off < span) {
+        ssize_t r = pread(fd, buf, (size_t)MIN(span - off, (uint64_t)c->cfg.chunk), (off_t)off);
+        if (r > 0)
+            off += (uint64_t)r;  /* a short read continues from where it stopped */
+        else if (r == 0)
+            break;  /* EOF: the file shrank since fstat */
+        else if (errno != EINTR && !(errno == EAGAIN && tries++ < KVP_RETRIES && !kvp_clear_nonblock(fd))) {
+            e = errno;
+            break;
+        }
+    }
+    it->done = off;
+    settle(it, e ? KVP_OUT_FAILED : KVP_OUT_READ, e);
+    close(fd);
+}
+
+struct pool {
+    struct kvp_ctx *c;
+    struct kvp_item *items;
+    size_t n;
+    const int *fds;  /* NULL: the workers open the items themselves */
+    const uint64_t *spans;
+    atomic_size_t next;
+};
+struct worker { struct pool *p; char *buf; pthread_t tid; };
+
+static void *work(void *arg)
+{
+    struct worker *w = arg;
+    struct pool *p = w->p;
+    size_t i;
+    while ((i = atomic_fetch_add(&p->next, 1)) < p->n) {
+        uint64_t span = p->fds ? p->spans[i] : 0;
+        int fd = p->fds ? p->fds[i] : kvp_item_open(p->c, &p->items[i], &span);
+        if (fd >= 0)
+            warm_read(p->c, &p->items[i], fd, span, w->buf);
+    }
+    return NULL;
+}
+
+/* Items spread over cfg.threads threads by an atomic next index, the caller's
+ * thread being one (threads == 1: a plain loop, no thread created).  Each has
+ * its own scratch so two cores never write the same cache lines. */
+void kvp_run_pool(struct kvp_ctx *c, struct kvp_item *items, size_t n,
+                  const int *fds, const uint64_t *spans)
+{
+    struct worker w[KVP_MAX_THREADS];
+    struct pool p = { c, items, n, fds, spans, 0 };
+    size_t nth = MIN((size_t)c->cfg.threads, n), started = 1;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, KVP_THREAD_STACK);
+    for (size_t t = 0; t < nth; t++)
+        w[t] = (struct worker){ &p, c->scratch + t * c->cfg.chunk, 0 };
+    while (started < nth && pthread_create(&w[started].tid, &attr, work, &w[started]) == 0)
+        started++;  /* fewer threads if the system refuses more */
+    pthread_attr_destroy(&attr);
+    work(&w[0]);
+    for (size_t t = 1; t < started; t++)
+        pthread_join(w[t].tid, NULL);
+}
