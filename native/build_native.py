@@ -95,7 +95,7 @@ ffibuilder.set_source(
     include_dirs=[_NATIVE],
     depends=sorted(glob.glob(os.path.join(_NATIVE, "*.h"))),
     define_macros=[("KVP_HAVE_LIBURING", "1")] if _URING else [],
-    libraries=(["uring"] if _URING else []) + ["pthread"],
+    libraries=(["uring"] if _URING else []) + ["pthread", "m"],
     extra_compile_args=["-O2"],
 )
 

@@ -1,7 +1,7 @@
 /*
  * engine_uring.c: engines io_uring/read (IORING_OP_READ of every head in
  * chunks, queue_depth in flight) and io_uring/advise (IORING_OP_FADVISE
- * WILLNEED, then the confirm of engine_fadvise.c).  The ring is made once per
+ * WILLNEED, then the confirm of advise.c).  The ring is made once per
  * context and reused for every batch.  The only file that knows liburing:
  * built without it, both engines say so from probe and refuse setup (ENOSYS).
  */

@@ -14,7 +14,7 @@
 
 /* ---- limits shared by several files (each engine's own are in its file) -- */
 #define KVP_MAX_CHUNK (64u << 20)     /* bytes per request; scratch is threads x chunk */
-#define KVP_MAX_THREADS 256           /* PREAD / confirm threads per batch */
+#define KVP_MAX_THREADS 256           /* confirming threads per batch (pool.c) */
 #define KVP_FD_RESERVE 64             /* RLIMIT_NOFILE share left to the rest of the process */
 #define KVP_RETRIES 8                 /* EAGAIN from openat2 or a read before FAILED */
 
@@ -59,8 +59,6 @@ struct kvp_engine {
     void (*teardown)(struct kvp_ctx *c);
 };
 
-extern const struct kvp_engine kvp_engine_pread;          /* engine_pread.c */
-extern const struct kvp_engine kvp_engine_fadvise;        /* engine_fadvise.c */
 extern const struct kvp_engine kvp_engine_uring_read;     /* engine_uring.c */
 extern const struct kvp_engine kvp_engine_uring_fadvise;  /* engine_uring.c */
 
@@ -87,13 +85,12 @@ int kvp_clear_nonblock(int fd);
 int kvp_tier_resident(const struct stat *st, uint64_t read_bytes);
 
 /* ---- pool.c ------------------------------------------------------------- */
-/* Warm items over cfg.threads threads.  fds NULL: each item is opened here
- * (kvp_item_open); else fds[i] (-1: settled already) is item i's read fd and
- * spans[i] its span.  Every fd handed over is closed. */
+/* Read each open item's head over cfg.threads threads: fds[i] (-1: settled
+ * already) is item i's read fd and spans[i] its span.  Every fd is closed. */
 void kvp_run_pool(struct kvp_ctx *c, struct kvp_item *items, size_t n,
                   const int *fds, const uint64_t *spans);
 
-/* ---- engine_fadvise.c: the advice engines' shared loop ------------------- */
+/* ---- advise.c: io_uring/advise's advise-then-confirm loop ----------------- */
 /* A window of up to max_open open files, advised, then confirmed. */
 struct kvp_window {
     int *fds;         /* read fd per item, -1 where the item settled on open */

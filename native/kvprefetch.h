@@ -7,11 +7,13 @@
  * understands: fixed width integers, structs, #define'd integer constants,
  * function prototypes.
  *
- * The unit of work is a *batch*: Python hands C an array of kvp_item, C opens,
- * checks, warms and closes every file in it and fills in the outcome fields,
- * all in one call with the GIL released.  Crossing the boundary once per batch
- * (not once per file) is what lets the Python daemon run at the speed of a
- * hand-written C program.
+ * Python hands C files as arrays of kvp_item, never one call per file: to the
+ * asynchronous queue (kvp_queue_*: the pread and fadvise engines), which takes
+ * them at once and hands back outcomes as reads finish, or as a batch to an
+ * engine of the table (kvp_run_batch: io_uring), which opens, checks, warms and
+ * closes every file in one call with the GIL released.  Crossing the boundary
+ * once per array (not once per file) is what lets the Python daemon run at the
+ * speed of a hand-written C program.
  *
  * Python reads the constants below from the built module (lib.KVP_*), never
  * copies them: each prefix's names, lower-cased without the prefix, are the
@@ -93,6 +95,57 @@ void kvp_ctx_free(struct kvp_ctx *ctx);
  * batch as a whole could not run (items then all FAILED with that errno). */
 int kvp_run_batch(struct kvp_ctx *ctx, struct kvp_item *items, size_t n);
 
+/*
+ * The asynchronous queue (native/queue.c): files are submitted and their
+ * outcomes reaped as they complete, from persistent threads whose reads in
+ * flight follow each root's file system (native/depthctl.c).  A worker polls
+ * kvp_queue_fd (an eventfd, readable while outcomes wait), reaps, and calls
+ * kvp_queue_tick a few times a second while files are out, which marks stalled
+ * reads and settles those past the deadline (FAILED, ETIMEDOUT).
+ */
+struct kvp_queue_config {
+    int32_t advise;          /* nonzero: posix_fadvise(WILLNEED) each head, then confirm */
+    int32_t fadv_random;     /* nonzero: POSIX_FADV_RANDOM before reading (not with advise) */
+    uint32_t chunk;          /* bytes per read request */
+    uint32_t initial_depth;  /* reads in flight per root to start from */
+    uint32_t max_threads;    /* threads at most, stalled ones included (at most 4096) */
+    uint64_t timeout_ns;     /* a file not settled this long after submission fails; 0: never */
+};
+#define KVP_QUEUE_MAX_THREADS 4096
+
+struct kvp_done {            /* one settled file, as reaped */
+    uint64_t tag;            /* the caller's tag from kvp_queue_submit */
+    int32_t outcome;         /* KVP_OUT_* */
+    int32_t err;             /* errno behind MISSING/REJECTED/FAILED (ETIMEDOUT: timed out) */
+    uint64_t size;
+    uint64_t done;
+};
+
+#define KVP_QUEUE_STATS_ROOTS 16
+struct kvp_queue_stats {
+    uint32_t threads, idle, pending, running, stalled, nroots;
+    uint64_t submitted, reaped, timed_out, stalls, spawn_failures;
+    int32_t root_fd[16];     /* KVP_QUEUE_STATS_ROOTS: per root, its fd, depth, service time */
+    uint32_t root_depth[16];
+    uint32_t root_rtt_us[16];
+};
+
+struct kvp_queue;
+/* NULL with *err = errno (EINVAL for a bad config, ENOMEM, the eventfd's errno). */
+struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err);
+/* Stops the threads; those stuck in the kernel keep the queue (it is then left). */
+void kvp_queue_free(struct kvp_queue *q);
+int kvp_queue_fd(const struct kvp_queue *q);
+/* Take n files (copied: items and their rel may be freed on return), each with
+ * its tag.  Returns how many were taken, the first ones: fewer than n only when
+ * memory ran out.  Never blocks on I/O. */
+size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const uint64_t *tags,
+                        size_t n);
+/* Move up to max settled files into out; returns how many. */
+size_t kvp_queue_reap(struct kvp_queue *q, struct kvp_done *out, size_t max);
+void kvp_queue_tick(struct kvp_queue *q);
+void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out);
+
 /* Residency of [off, off+len) of an open fd, for tests and for the supervisor-
  * free paths: pages resident via cachestat (Linux 6.5+), falling back to
  * mincore.  Returns resident bytes (rounded to whole pages, capped at len) or
@@ -111,3 +164,4 @@ int kvp_have_cachestat(void);
 #define KVP_FALLBACK_OPENAT2 1
 #define KVP_FALLBACK_PROC 2
 void kvp_ctx_force_fallback(struct kvp_ctx *ctx, int32_t which);
+void kvp_queue_force_fallback(struct kvp_queue *q, int32_t which);

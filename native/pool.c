@@ -1,7 +1,7 @@
 /*
- * pool.c: blocking preads of heads, spread over cfg.threads threads.  The pread
- * engine is this pool opening its own items; the advice engines hand it their
- * window of open fds to confirm (engine_fadvise.c).
+ * pool.c: blocking preads of a window of open heads, spread over cfg.threads
+ * threads: io_uring/advise's confirm (advise.c).  The threads live for one
+ * batch; the queue (queue.c) keeps its own.
  */
 #include "internal.h"
 
@@ -37,7 +37,7 @@ struct pool {
     struct kvp_ctx *c;
     struct kvp_item *items;
     size_t n;
-    const int *fds;  /* NULL: the workers open the items themselves */
+    const int *fds;  /* item i's read fd, -1 where it settled on open */
     const uint64_t *spans;
     atomic_size_t next;
 };
@@ -48,12 +48,9 @@ static void *work(void *arg)
     struct worker *w = arg;
     struct pool *p = w->p;
     size_t i;
-    while ((i = atomic_fetch_add(&p->next, 1)) < p->n) {
-        uint64_t span = p->fds ? p->spans[i] : 0;
-        int fd = p->fds ? p->fds[i] : kvp_item_open(p->c, &p->items[i], &span);
-        if (fd >= 0)
-            warm_read(p->c, &p->items[i], fd, span, w->buf);
-    }
+    while ((i = atomic_fetch_add(&p->next, 1)) < p->n)
+        if (p->fds[i] >= 0)
+            warm_read(p->c, &p->items[i], p->fds[i], p->spans[i], w->buf);
     return NULL;
 }
 

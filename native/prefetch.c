@@ -1,13 +1,15 @@
 /*
  * prefetch.c: the C half of kvprefetchd._native (contract: kvprefetch.h): the
- * context, the engine table, kvp_run_batch.  A batch meets the files so:
- *   prefetch.c        kvp_run_batch hands the batch to the context's engine
- *   engine_pread.c    pread/read: a pool of threads, each opening and reading
- *   engine_fadvise.c  fadvise/advise: posix_fadvise(WILLNEED), then confirm
+ * batch context, the engine table, kvp_run_batch.  The files:
+ *   queue.c           the asynchronous queue (pread and fadvise): persistent
+ *                     threads, files in as they come, outcomes out as they finish
+ *   depthctl.c        the queue's reads in flight per root (Little's law)
+ *   prefetch.c        kvp_run_batch hands a batch to the context's engine
  *   engine_uring.c    io_uring/read and io_uring/advise: one ring per context
+ *   advise.c          io_uring/advise's advise-then-confirm loop
+ *   pool.c            the confirming threads of a batch
  *   open.c            per item: resolve beneath the root, classify, reopen
  *   residency.c       per item: already warm? (cachestat / mincore, tier rule)
- *   pool.c            the pread thread pool (pread; the advice engines' confirm)
  *   internal.h        what they share, and the engine skeleton (struct kvp_engine)
  * Per item: resolve rel beneath root_fd (openat2 RESOLVE_BENEATH, O_PATH),
  * fstat, refuse anything but a regular file, apply the residency rule, reopen
@@ -33,8 +35,6 @@
  * row in the Python registry's table (daemon/kvprefetchd/engines/__init__.py);
  * build_native.py compiles every native .c file. */
 static const struct kvp_engine *const engines[] = {
-    &kvp_engine_pread,
-    &kvp_engine_fadvise,
     &kvp_engine_uring_read,
     &kvp_engine_uring_fadvise,
 };

@@ -70,7 +70,14 @@ class Config:
     max_read_bytes: int = 64 * MIB
     chunk_bytes: int = 128 * KIB
     queue_depth: int = 128
-    pread_threads: int = 16
+    pread_threads: int = 16  # io_uring advise: confirming threads per batch
+    # The queue engines (pread, fadvise: `auto`'s choices): reads in flight per root to
+    # start from, threads per worker at most (its reads in flight follow each root's
+    # file system up to this: native/depthctl.c), and how long a file may take before
+    # it is settled `failed` (a tier that never answers; 0: no limit).
+    initial_depth: int = 16
+    max_in_flight: int = 512
+    file_timeout: float = 60.0
     fadv_random: bool = True
     batch_files: int = 256
     max_open_files: int = 1024
@@ -116,6 +123,8 @@ _INT_KEYS = {
     "chunk_bytes": (4 * KIB, 64 * MIB),
     "queue_depth": (1, 4096),
     "pread_threads": (1, 256),
+    "initial_depth": (1, 4096),
+    "max_in_flight": (1, 4096),
     "batch_files": (1, 65536),
     "max_open_files": (8, 16384),
     "queue_limit": (1, 10_000_000),
@@ -214,6 +223,14 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
             raise ConfigError("drain_seconds: expected a number of seconds in [0, 60]")
         return float(value)
+    if key == "file_timeout":
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value == 0 or 0.1 <= value <= 86400)
+        ):
+            raise ConfigError("file_timeout: expected 0 (none) or seconds in [0.1, 86400]")
+        return float(value)
     if key == "worker_timeout":
         # Below 1 s a healthy batch on a slow tier would look wedged; 0 turns the check off.
         if (
@@ -264,7 +281,8 @@ def check_profiles(config: Config, note: str) -> None:
 RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
-    "max_open_files", "dedup_ttl_ms", "dedup_entries", "worker_nice", "metrics", "model_warm_modes",
+    "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "dedup_ttl_ms",
+    "dedup_entries", "worker_nice", "metrics", "model_warm_modes",
 })
 
 

@@ -1,8 +1,9 @@
-"""A worker: receive files, skip what is warm or already on its way, warm the rest in batches.
+"""A worker: receive files, skip what is warm or already on its way, warm the rest.
 
-Runs in a forked child that owns one engine. Its loop never waits for I/O while
-there is work: it drains its socket, answers what its memory can answer at once,
-hands the engine one batch, and reports the outcomes.
+Runs in a forked child that owns its engines (one per warm mode it is asked for). Its
+loop waits on its channel and its engines' completions at once: it drains the channel,
+answers what its memory can answer, hands the engines the rest, and reports outcomes as
+they come (a Done per round: the supervisor's heartbeat of this worker).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from kvprefetchd import engines
 from kvprefetchd.channel import (
     BootFailed,
     ChannelReader,
@@ -31,8 +31,8 @@ from kvprefetchd.channel import (
     send_all_blocking,
 )
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
-from kvprefetchd.engines import EngineSpec
-from kvprefetchd.engines.base import Completion, Engine, EngineSettings, QueueAnswer, WarmItem
+from kvprefetchd.engines import EngineSpec, WarmEngines
+from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem
 from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 
@@ -43,13 +43,12 @@ log = logging.getLogger("kvprefetchd.worker")
 EXIT_OK = 0
 EXIT_BOOT_FAILED = 3
 
-# Most head bytes one native call may be asked for. A worker says nothing to the
-# supervisor while it is inside a batch, and the supervisor kills a worker that
-# owes outcomes and says nothing for `worker_timeout` (60 s): so a batch must stay
-# short on a slow tier. 256 MiB is batch_files x read_bytes at their defaults (no
-# change there); requests with a large read_bytes get fewer files per batch, e.g.
-# 4 heads of 64 MiB, which a tier delivering 5 MB/s still reads within 60 s.
-MAX_BATCH_BYTES = 256 << 20
+# While files are out in a queue engine, the loop wakes this often to tick it (stalled
+# reads, late files) and, when nothing finished meanwhile, tells the supervisor once a
+# second that it is alive: its own thread never blocks on a read there, so silence means
+# the worker itself is stuck, which is what the supervisor's worker_timeout is for.
+TICK_SECONDS = 0.1
+HEARTBEAT_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,11 +74,19 @@ class WorkerPlan:
 
 # mallopt(3) parameter numbers, from glibc's <malloc.h>.
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own initial value
+# The queue's threads allocate little (a record per file comes and goes on the worker's
+# own thread): a few arenas serve them. Set explicitly, glibc also stops reading
+# /sys/devices/system/cpu/online the first time a new thread allocates (arena.c sizes
+# its default limit from the CPU count), which the path audits would count as a file
+# opened outside the roots.
+ARENA_MAX = 4
 
 
 def pin_mmap_threshold() -> None:
-    """Keep buffers of 128 KiB and more out of the brk heap, where they fragment it.
+    """Keep buffers of 128 KiB and more out of the brk heap, where they fragment it (and
+    bound the arenas: ARENA_MAX).
 
     glibc raises its mmap threshold to the size of every mmapped chunk it frees
     (mallopt(3), M_MMAP_THRESHOLD), so once the first 1 MiB recv buffer is freed,
@@ -96,6 +103,7 @@ def pin_mmap_threshold() -> None:
         return
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    mallopt(M_ARENA_MAX, ARENA_MAX)
 
 
 def _open_root(path: str) -> int:
@@ -107,16 +115,18 @@ def _open_root(path: str) -> int:
 
 
 class Worker:
-    def __init__(self, plan: WorkerPlan, sock: socket.socket, engine: Engine) -> None:
+    def __init__(self, plan: WorkerPlan, sock: socket.socket, engines: WarmEngines) -> None:
         self.plan = plan
         self.sock = sock
+        self.engines = engines
         self.reader = ChannelReader(sock)
+        self.poller = select.poll()
+        self.poller.register(sock.fileno(), select.POLLIN)
+        self.watched: set[int] = set()  # engine fds in the poller
         self.root_fds = [_open_root(root) for root in plan.roots]
         self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries)
         self.in_flight = InFlight()
-        # Per warm mode: its engine (built when first needed) and the files waiting for it.
-        self.engines: dict[str, Engine] = {plan.warm_mode: engine}
-        self.pending: dict[str, deque[WarmItem]] = {plan.warm_mode: deque()}
+        self.pending: dict[str, deque[WarmItem]] = {plan.warm_mode: deque()}  # per warm mode
         self.outcomes: list[list[Any]] = []  # [ticket, outcome, bytes] of waiting requests
         self.anonymous: Counter[str] = Counter()  # outcomes of fire-and-forget files
         self.anonymous_bytes = 0
@@ -125,17 +135,17 @@ class Worker:
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0
         }
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
+        self.reported = time.monotonic()
 
     @property
     def engine(self) -> Engine:
         """The engine of the configured warm mode."""
-        return self.engines[self.plan.warm_mode]
+        return self.engines.default
 
     def run(self) -> None:
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
+        self.watch(self.engine)
         while True:
-            poller.poll(0 if any(self.pending.values()) else None)
+            self.poller.poll(self.poll_timeout_ms())
             for message in self.reader.read_available():
                 if isinstance(message, Warm):
                     self.accept(message)
@@ -143,13 +153,23 @@ class Worker:
                     log.warning("worker %d: unexpected %s", self.plan.index, type(message))
             if self.reader.closed:
                 return  # the supervisor is gone: nobody to report to
-            self.flush()
             for mode, pending in self.pending.items():
                 if pending:
-                    self.warm_one_batch(self.engine_for(mode), pending)
-                    if mode != self.plan.warm_mode:
-                        self.counters["batches_other_mode"] += 1
-                    self.flush()
+                    self.hand_over(self.engine_for(mode), pending, mode)
+            for engine in self.engines.built():
+                for completion in engine.reap():
+                    self.settle(completion)
+                if engine.outstanding:
+                    engine.tick()
+            self.flush()
+
+    def poll_timeout_ms(self) -> int | None:
+        """No wait while a batch engine has files to take; a tick while files are out."""
+        if any(self.pending.values()):
+            return 0
+        if any(engine.outstanding for engine in self.engines.built()):
+            return int(TICK_SECONDS * 1000)
+        return None
 
     def accept(self, message: Warm) -> None:
         received = time.monotonic()
@@ -181,42 +201,25 @@ class Worker:
             self.root_fds[index] = _open_root(self.plan.roots[index])
         return self.root_fds[index]
 
-    def warm_one_batch(self, engine: Engine, pending: deque[WarmItem]) -> None:
-        """Hand the engine one batch (at most batch_files files and MAX_BATCH_BYTES) and settle it.
-
-        Every batch ends in a Done message (each file gets an outcome), which is
-        the worker's heartbeat: bounding a batch bounds the supervisor's silence.
-        """
-        queued: list[WarmItem] = []
-        budget = MAX_BATCH_BYTES
-        while (
-            pending
-            and (not queued or pending[0].read_bytes <= budget)
-            and engine.queue(pending[0]) is QueueAnswer.QUEUED
-        ):
-            item = pending.popleft()
-            budget -= item.read_bytes
-            queued.append(item)
+    def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
+        """Give the engine what waits for it: all of it (a queue) or one batch."""
         if self.faults is not None:
-            self.faults.apply([item.relative for item in queued])
-        engine.submit()
+            self.faults.apply([item.relative for item in pending])
+        engine.take(pending)
         self.counters["batches"] += 1
-        for completion in engine.reap():
-            self.settle(completion)
+        if mode != self.plan.warm_mode:
+            self.counters["batches_other_mode"] += 1
 
     def engine_for(self, warm_mode: str) -> Engine:
-        """Built on first use; where it cannot be built, the configured engine serves."""
-        engine = self.engines.get(warm_mode)
-        if engine is None:
-            candidates = self.plan.engines.get(warm_mode, ())
-            try:
-                engine = build_engine(self.plan, candidates)
-            except Exception as error:
-                log.warning("worker %d: %s warm mode unavailable (%s); using %s",
-                            self.plan.index, warm_mode, error, self.engine.name)
-                engine = self.engine
-            self.engines[warm_mode] = engine
+        engine = self.engines.for_mode(warm_mode)
+        self.watch(engine)
         return engine
+
+    def watch(self, engine: Engine) -> None:
+        fd = engine.fileno()
+        if fd >= 0 and fd not in self.watched:
+            self.poller.register(fd, select.POLLIN)
+            self.watched.add(fd)
 
     def settle(self, completion: Completion) -> None:
         item = completion.item
@@ -245,8 +248,14 @@ class Worker:
             self.anonymous_bytes += nbytes
 
     def flush(self) -> None:
+        """Report what was settled since the last report; with nothing settled, an empty
+        report once a second while files are out, so the supervisor hears a live worker."""
+        now = time.monotonic()
         if not self.outcomes and not self.anonymous:
-            return
+            busy = any(engine.outstanding for engine in self.engines.built())
+            if not busy or now - self.reported < HEARTBEAT_SECONDS:
+                return
+        self.reported = now
         counters = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
         send_all_blocking(self.sock, Done(
@@ -261,11 +270,6 @@ class Worker:
         self.anonymous.clear()
         self.anonymous_bytes = 0
         self.latency = Histogram(FILE_BUCKETS)
-
-
-def build_engine(plan: WorkerPlan, candidates: tuple[EngineSpec, ...]) -> Engine:
-    """The first candidate engine that sets up here; the last one's error if none does."""
-    return engines.build_engine(candidates, plan.engine_settings, f"worker {plan.index}")
 
 
 def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
@@ -297,12 +301,14 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
         try:
             if injected(WORKER_BOOT_FAILS):
                 raise RuntimeError("boot failure injected by KVPREFETCHD_FAULTS")
-            engine = build_engine(plan, plan.engines[plan.warm_mode])
+            engines = WarmEngines(plan.engines, plan.warm_mode, plan.engine_settings,
+                                  f"worker {plan.index}")
+            engine = engines.default
         except Exception as error:
             send_all_blocking(sock, BootFailed(f"{type(error).__name__}: {error}"))
             os._exit(EXIT_BOOT_FAILED)
         send_all_blocking(sock, Ready(engine.name, os.getpid(), renice))
-        Worker(plan, sock, engine).run()
+        Worker(plan, sock, engines).run()
     except BaseException:
         log.exception("worker %d crashed", plan.index)
         status = 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
+import select
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +41,18 @@ def engine_table() -> list[tuple[str, str]]:
     return [(ffi.string(e.engine).decode(), ffi.string(e.warm_mode).decode()) for e in table]
 
 
+# The queue's engines (native/queue.c), beside the rows of C's batch table.
+QUEUED = {("pread", "read"), ("fadvise", "advise")}
+
+
 def _engines_to_test() -> dict[str, tuple[str, str, int]]:
-    """Test name -> (engine, warm mode, threads): every row of C's table (one thread, two for
-    the io_uring advice engine's confirm), and pread with 4 threads."""
+    """Test name -> (engine, warm mode, threads): the queue's two engines (one thread, and
+    pread with 4), and every row of C's table (one thread, two for the io_uring advice
+    engine's confirm)."""
     rows = {f"{e}-{m}": (e, m, 2 if (e, m) == ("io_uring", "advise") else 1)
             for e, m in engine_table()}
-    return {**rows, "pread-read-t4": ("pread", "read", 4)}
+    queued = {f"{e}-{m}": (e, m, 1) for e, m in sorted(QUEUED)}
+    return {**queued, "pread-read-t4": ("pread", "read", 4), **rows}
 
 
 ENGINES = _engines_to_test()
@@ -52,6 +60,8 @@ ENGINES = _engines_to_test()
 
 def engine_unavailable(engine: str, warm_mode: str) -> str | None:
     """None when the engine can run here, else kvp_engine_probe's reason."""
+    if (engine, warm_mode) in QUEUED:
+        return None
     why = ffi.new("char[]", 256)
     if lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, len(why)):
         return None
@@ -114,6 +124,40 @@ class Batch:
         ]
 
 
+def new_queue(advise: bool, **config: int) -> Any:
+    """kvp_queue_new; the cdata (freed when collected) or OSError."""
+    full = {"advise": int(advise), "fadv_random": 1, "chunk": 65536, "initial_depth": 4,
+            "max_threads": 4, "timeout_ns": 0}
+    full.update(config)
+    cfg = ffi.new("struct kvp_queue_config *", full)
+    err = ffi.new("int *")
+    queue = lib.kvp_queue_new(cfg, err)
+    if queue == ffi.NULL:
+        raise OSError(err[0], os.strerror(err[0]))
+    return ffi.gc(queue, lib.kvp_queue_free)
+
+
+def run_queue(queue: Any, batch: Batch, timeout: float = 60.0) -> None:
+    """Submit a batch to a queue and reap until every item is settled, writing each
+    outcome back into the batch's items (the tag is the item's index)."""
+    tags = ffi.new("uint64_t[]", list(range(max(batch.n, 1))))
+    assert lib.kvp_queue_submit(queue, batch.items, tags, batch.n) == batch.n
+    out = ffi.new("struct kvp_done[]", 256)
+    poller = select.poll()
+    poller.register(lib.kvp_queue_fd(queue), select.POLLIN)
+    left, deadline = batch.n, time.monotonic() + timeout
+    while left:
+        assert time.monotonic() < deadline, f"{left} files never settled"
+        poller.poll(100)
+        lib.kvp_queue_tick(queue)
+        for k in range(lib.kvp_queue_reap(queue, out, 256)):
+            done = out[k]
+            item = batch.items[done.tag]
+            item.outcome, item.err, item.size, item.done = (done.outcome, done.err, done.size,
+                                                            done.done)
+            left -= 1
+
+
 class Ctx:
     def __init__(
         self,
@@ -127,13 +171,22 @@ class Ctx:
         fallback: int = 0,
     ) -> None:
         name, warm_mode, default_threads = ENGINES[engine]
+        count = default_threads if threads is None else threads
+        self.queue: Any = None
+        self.ctx: Any = None
+        if (name, warm_mode) in QUEUED:
+            self.queue = new_queue(warm_mode == "advise", fadv_random=fadv_random, chunk=chunk,
+                                   initial_depth=count, max_threads=count)
+            if fallback:
+                lib.kvp_queue_force_fallback(self.queue, fallback)
+            return
         self.ctx = new_ctx(
             name,
             warm_mode,
             fadv_random=fadv_random,
             chunk=chunk,
             queue_depth=queue_depth,
-            threads=default_threads if threads is None else threads,
+            threads=count,
             max_open=max_open,
         )
         if fallback:
@@ -141,6 +194,10 @@ class Ctx:
 
     def run_batch(self, batch: Batch) -> list[Result]:
         before = fd_count()
+        if self.queue is not None:
+            run_queue(self.queue, batch)
+            assert fd_count() == before, "the queue leaked or closed a descriptor"
+            return batch.results()
         rc = lib.kvp_run_batch(self.ctx, batch.items, batch.n)
         assert fd_count() == before, "kvp_run_batch leaked or closed a descriptor"
         assert rc == 0, os.strerror(-rc)

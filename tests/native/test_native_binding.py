@@ -17,12 +17,14 @@ from native_helpers import (
     engine_unavailable,
     evict,
     new_ctx,
+    new_queue,
     write_file,
 )
 
 from kvprefetchd._native import ffi, lib
 
-TABLE = [("pread", "read"), ("fadvise", "advise"), ("io_uring", "read"), ("io_uring", "advise")]
+# C's batch table; pread and fadvise are the queue (native/queue.c), not rows of it.
+TABLE = [("io_uring", "read"), ("io_uring", "advise")]
 
 
 def test_import_constants_and_a_call() -> None:
@@ -38,7 +40,7 @@ def test_the_engine_table_lists_every_engine_once() -> None:
     # A short array gets the first rows; the count is the whole table's either way.
     one = ffi.new("struct kvp_engine_name[]", 1)
     assert lib.kvp_engines(one, 1) == len(TABLE)
-    assert (ffi.string(one[0].engine), ffi.string(one[0].warm_mode)) == (b"pread", b"read")
+    assert (ffi.string(one[0].engine), ffi.string(one[0].warm_mode)) == (b"io_uring", b"read")
 
 
 @pytest.mark.parametrize(("engine", "warm_mode"), TABLE)
@@ -47,8 +49,6 @@ def test_engine_probe_reports_a_reason(engine: str, warm_mode: str) -> None:
     ok = lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, 128)
     text = ffi.string(why).decode()
     assert (ok == 1 and text == "") or (ok == 0 and text), text
-    if engine != "io_uring":
-        assert ok == 1, "pread and posix_fadvise need nothing of the kernel"
     # A tiny buffer is never overrun, and no buffer at all is allowed.
     small = ffi.new("char[]", 4)
     assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), small, 4) == ok
@@ -58,7 +58,7 @@ def test_engine_probe_reports_a_reason(engine: str, warm_mode: str) -> None:
 
 @pytest.mark.parametrize(
     ("engine", "warm_mode"),
-    [("nope", "read"), ("pread", "advise"), ("fadvise", "read"), ("io_uring", "write"),
+    [("nope", "read"), ("pread", "read"), ("fadvise", "advise"), ("io_uring", "write"),
      ("", ""), ("IO_URING", "read")],
 )
 def test_an_unknown_engine_is_refused(engine: str, warm_mode: str) -> None:
@@ -73,7 +73,7 @@ def test_an_unknown_engine_is_refused(engine: str, warm_mode: str) -> None:
 def test_a_null_engine_name_is_refused() -> None:
     why = ffi.new("char[]", 128)
     assert lib.kvp_engine_probe(ffi.NULL, b"read", why, 128) == 0
-    assert lib.kvp_engine_probe(b"pread", ffi.NULL, why, 128) == 0
+    assert lib.kvp_engine_probe(b"io_uring", ffi.NULL, why, 128) == 0
     cfg = ffi.new("struct kvp_config *", {"chunk": 65536, "max_open": 8, "threads": 1})
     err = ffi.new("int *")
     assert lib.kvp_ctx_new(cfg, err) == ffi.NULL
@@ -83,10 +83,10 @@ def test_a_null_engine_name_is_refused() -> None:
 @pytest.mark.parametrize(
     ("engine", "warm_mode", "cfg"),
     [
-        ("pread", "read", {"chunk": 0}),
-        ("pread", "read", {"chunk": 1 << 30}),
-        ("pread", "read", {"max_open": 0}),
-        ("fadvise", "advise", {"max_open": 0}),
+        ("io_uring", "read", {"chunk": 0}),
+        ("io_uring", "read", {"chunk": 1 << 30}),
+        ("io_uring", "read", {"max_open": 0}),
+        ("io_uring", "advise", {"max_open": 0}),
         ("io_uring", "read", {"queue_depth": 0}),
         ("io_uring", "advise", {"queue_depth": 0}),
     ],
@@ -106,12 +106,38 @@ def test_ctx_new_null_config() -> None:
 
 
 def test_empty_batch_and_null_ctx() -> None:
-    ctx = Ctx("pread-read")
+    if (why := engine_unavailable("io_uring", "read")) is not None:
+        pytest.skip(why)
+    ctx = Ctx("io_uring-read")
     assert lib.kvp_run_batch(ctx.ctx, ffi.NULL, 0) == 0
     items = ffi.new("struct kvp_item[]", 2)
     assert lib.kvp_run_batch(ffi.NULL, items, 2) == -errno.EINVAL
     assert [it.outcome for it in items] == [lib.KVP_OUT_FAILED] * 2
     assert [it.err for it in items] == [errno.EINVAL] * 2
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{"chunk": 0}, {"chunk": 1 << 30}, {"max_threads": 0}, {"max_threads": 5000},
+     {"initial_depth": 0}],
+)
+def test_queue_new_rejects_bad_config(cfg: dict[str, int]) -> None:
+    with pytest.raises(OSError) as refused:
+        new_queue(False, **cfg)
+    assert refused.value.errno == errno.EINVAL
+    err = ffi.new("int *")
+    assert lib.kvp_queue_new(ffi.NULL, err) == ffi.NULL and err[0] == errno.EINVAL
+
+
+def test_an_empty_submission_and_an_idle_queue() -> None:
+    queue = new_queue(False)
+    assert lib.kvp_queue_submit(queue, ffi.NULL, ffi.NULL, 0) == 0
+    out = ffi.new("struct kvp_done[]", 4)
+    assert lib.kvp_queue_reap(queue, out, 4) == 0
+    lib.kvp_queue_tick(queue)
+    stats = ffi.new("struct kvp_queue_stats *")
+    lib.kvp_queue_stats(queue, stats)
+    assert (stats.threads, stats.pending, stats.running, stats.submitted) == (0, 0, 0, 0)
 
 
 def test_resident_bytes_cachestat_and_mincore_agree(tmp_path: Path) -> None:

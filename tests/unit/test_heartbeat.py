@@ -20,11 +20,12 @@ from kvprefetchd import faults
 from kvprefetchd.books import Books, Waiter
 from kvprefetchd.channel import ChannelReader, Done
 from kvprefetchd.config import build_config
-from kvprefetchd.engines.base import Completion, EngineSettings, QueueAnswer, WarmItem
+from kvprefetchd.engines import PREAD, WarmEngines
+from kvprefetchd.engines.base import MAX_BATCH_BYTES, EngineSettings, WarmItem, next_batch
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.pool import WorkerHandle, WorkerPool
 from kvprefetchd.residency import choose_rule
-from kvprefetchd.worker import MAX_BATCH_BYTES, Worker, WorkerPlan
+from kvprefetchd.worker import Worker, WorkerPlan
 
 MIB = 1 << 20
 TIMEOUT = 5.0
@@ -137,38 +138,8 @@ def test_work_handed_to_an_idle_worker_starts_its_clock_but_more_work_does_not(
     assert patched.kills == [(90_001, signal.SIGKILL)]
 
 
-class RecordingEngine:
-    """An engine that reads nothing and remembers the size of each batch it was handed."""
-
-    name = "recording"
-
-    def __init__(self, batch_files: int) -> None:
-        self.batch_files = batch_files
-        self.queued: list[WarmItem] = []
-        self.done: list[Completion] = []
-        self.batches: list[int] = []
-
-    def queue(self, item: WarmItem) -> QueueAnswer:
-        if len(self.queued) >= self.batch_files:
-            return QueueAnswer.BUSY
-        self.queued.append(item)
-        return QueueAnswer.QUEUED
-
-    def submit(self) -> int:
-        self.batches.append(len(self.queued))
-        self.done += [
-            Completion(item, "read", 0, item.read_bytes, item.read_bytes) for item in self.queued
-        ]
-        self.queued = []
-        return self.batches[-1]
-
-    def reap(self) -> list[Completion]:
-        done, self.done = self.done, []
-        return done
-
-
 @pytest.mark.parametrize(
-    ("wants", "batches"),
+    ("heads", "batches"),
     [
         ([64 * MIB] * 10, [4, 4, 2]),  # large heads: fewer files per batch
         ([1 * MIB] * 300, [256, 44]),  # the defaults: batch_files binds, as before
@@ -176,22 +147,16 @@ class RecordingEngine:
     ],
 )
 def test_a_batch_holds_at_most_batch_files_and_max_batch_bytes(
-    tmp_path: Path, wants: list[int], batches: list[int]
+    heads: list[int], batches: list[int]
 ) -> None:
-    settings = EngineSettings(128 * 1024, 128, 16, True, 256, 1024)
-    plan = WorkerPlan(0, (str(tmp_path),), (0,), {"read": ()}, settings, 1.0, 100)
-    engine = RecordingEngine(settings.batch_files)
-    ours, theirs = socket.socketpair()
-    worker = Worker(plan, ours, engine)  # type: ignore[arg-type]
     pending = deque(
-        WarmItem(0, 0, f"{i}.bin".encode(), want, (0, f"{i}.bin".encode()))
-        for i, want in enumerate(wants)
+        WarmItem(0, 0, f"{i}.bin".encode(), head, (0, f"{i}.bin".encode()))
+        for i, head in enumerate(heads)
     )
+    taken = []
     while pending:
-        worker.warm_one_batch(worker.engine, pending)
-    assert engine.batches == batches
-    ours.close()
-    theirs.close()
+        taken.append(len(next_batch(pending, 256)))
+    assert taken == batches
 
 
 def test_fault_arguments_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,9 +177,10 @@ def test_fault_arguments_are_read_from_the_environment(monkeypatch: pytest.Monke
 def test_no_fault_is_read_when_none_is_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("KVPREFETCHD_FAULTS", raising=False)
     settings = EngineSettings(128 * 1024, 128, 16, True, 256, 1024)
+    engines = WarmEngines({"read": (PREAD,)}, "read", settings, "test")
     ours, theirs = socket.socketpair()
-    worker = Worker(WorkerPlan(0, (str(tmp_path),), (0,), {"read": ()}, settings, 1.0, 100), ours,
-                    RecordingEngine(1))  # type: ignore[arg-type]
+    plan = WorkerPlan(0, (str(tmp_path),), (0,), {"read": (PREAD,)}, settings, 1.0, 100)
+    worker = Worker(plan, ours, engines)
     assert worker.faults is None
     ours.close()
     theirs.close()

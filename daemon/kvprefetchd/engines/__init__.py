@@ -1,20 +1,19 @@
 """Engine registry: one table from the configured engine and a warm mode to a native engine.
 
-The native engines are the rows of C's own table (native/prefetch.c, listed by
-kvp_engines), each named by an engine and the warm mode it implements:
-pread/read, fadvise/advise, io_uring/read, io_uring/advise. ENGINE_TABLE says
-which of them serves each configured `engine` in each warm mode; AUTO_ORDER is
-what `auto` tries, best first.
+Each engine is named by what it is called (ping, stats, the config) and the warm mode
+it implements. pread/read and fadvise/advise are the asynchronous queue
+(native/queue.c: persistent threads whose reads in flight follow each root's file
+system, engines/queue.py); io_uring/read and io_uring/advise are rows of C's batch
+table (native/prefetch.c, listed by kvp_engines). ENGINE_TABLE says which serves each
+configured `engine` in each warm mode; AUTO_ORDER is what `auto` tries, best first.
 
-`auto` picks by measurement, not by reputation (bench/warmup.py, same cold
-files, same run; README "Performance"): in read mode the pread engine (16
-threads per worker) beat io_uring reads by 0.86x on 2,000 1 MiB heads and
-0.82x on 20,000 whole 256 KiB files, because with cold metadata the opens cost
-more than the reads and the threads open in parallel where the ring's
-submitter opens one file after another. In advise mode io_uring FADVISE beat
-posix_fadvise (1.66 s against 2.00 s, bench/c/cold_matrix.py). So: read mode
-tries pread first, advise mode io_uring first. On a high-latency tier, where
-a deeper queue matters more than open cost, measure `engine = "io_uring"`.
+`auto` picks by measurement, not by reputation (bench/run, same files, same run;
+README "Performance"). In read mode the pread engine beat io_uring reads on the local
+disk (0.86x on 2,000 1 MiB heads, 0.82x on 20,000 whole 256 KiB files, with 16
+threads; with cold metadata the opens cost more than the reads and threads open in
+parallel where a ring's submitter opens one file after another), and on a slow tier
+only a depth that follows the tier keeps it busy (issue 13: a fixed 16 threads per
+worker left 100 ms fetches 6-7x slower than the best pool).
 
 The supervisor probes once and logs why an engine is passed over; each worker
 then builds the first candidate that works for it, so a ring refused inside a
@@ -29,7 +28,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvprefetchd.engines.base import Engine, EngineSettings
+from kvprefetchd.engines.base import BatchEngine, Engine, EngineSettings
+from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.native import NativeUnavailable, load_native
 
 log = logging.getLogger("kvprefetchd.engines")
@@ -43,10 +43,12 @@ class NoEngine(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """A row of C's engine table: the engine (as ping and stats name it) and its warm mode."""
+    """An engine (as ping and stats name it) and its warm mode: the queue, or a row of C's
+    batch table."""
 
     name: str
     warm_mode: str
+    queued: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when this engine can run here, else why not (kvp_engine_probe)."""
@@ -54,14 +56,18 @@ class EngineSpec:
             native = load_native()
         except NativeUnavailable as error:
             return str(error)
+        if self.queued:
+            return None  # threads and pread: nothing the kernel can refuse
         return native.engine_unavailable(self.name, self.warm_mode)
 
     def build(self, settings: EngineSettings) -> Engine:
-        return Engine(self.name, self.warm_mode, settings)
+        if self.queued:
+            return QueueEngine(self.name, self.warm_mode, settings)
+        return BatchEngine(self.name, self.warm_mode, settings)
 
 
-PREAD = EngineSpec("pread", "read")
-FADVISE = EngineSpec("fadvise", "advise")
+PREAD = EngineSpec("pread", "read", queued=True)
+FADVISE = EngineSpec("fadvise", "advise", queued=True)
 URING_READ = EngineSpec("io_uring", "read")
 URING_ADVISE = EngineSpec("io_uring", "advise")
 
@@ -77,7 +83,7 @@ ENGINE_TABLE: Mapping[str, Mapping[str, EngineSpec]] = {
 # What `auto` tries per warm mode, best first (measured: see the module's docstring).
 AUTO_ORDER: Mapping[str, tuple[str, ...]] = {
     "read": ("pread", "io_uring"),
-    "advise": ("io_uring", "fadvise"),
+    "advise": ("fadvise", "io_uring"),
 }
 
 
@@ -158,6 +164,11 @@ class WarmEngines:
                                   self._who)
             self._built[self.default_mode] = engine
         return engine
+
+    def built(self) -> list[Engine]:
+        """Every distinct engine built so far (a mode served by another's is listed once)."""
+        unique: dict[int, Engine] = {id(engine): engine for engine in self._built.values()}
+        return list(unique.values())
 
     def for_mode(self, warm_mode: str) -> Engine:
         """The engine for a warm mode by name; the default one where that mode has none."""

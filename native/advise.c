@@ -1,7 +1,8 @@
 /*
- * engine_fadvise.c: engine fadvise/advise, posix_fadvise(WILLNEED) of every
- * head then a confirming read; and the advise-then-confirm loop it shares with
- * io_uring/advise (engine_uring.c), which only advises differently.
+ * advise.c: the advise-then-confirm loop of io_uring/advise (engine_uring.c):
+ * a window of open files is advised, then every head confirmed by reading it.
+ * (posix_fadvise's own advise mode is the queue's: queue.c advises each head
+ * before its confirming read.)
  */
 #include "internal.h"
 
@@ -51,39 +52,3 @@ int kvp_advise_and_confirm(struct kvp_ctx *c, struct kvp_window *w, const struct
     }
     return 0;
 }
-
-static void fadvise_file(struct kvp_ctx *c, int fd, uint64_t span)
-{
-    (void)c;
-    (void)posix_fadvise(fd, 0, (off_t)span, POSIX_FADV_WILLNEED);
-}
-
-static int fadvise_setup(struct kvp_ctx *c)
-{
-    struct kvp_window *w = calloc(1, sizeof *w);
-    if (!w)
-        return ENOMEM;
-    c->engine_data = w;
-    return kvp_window_alloc(w, c->cfg.max_open);
-}
-
-static int fadvise_run(struct kvp_ctx *c, struct kvp_item *items, size_t n)
-{
-    static const struct kvp_advice how = { .file = fadvise_file };
-    return kvp_advise_and_confirm(c, c->engine_data, &how, items, n);
-}
-
-static void fadvise_teardown(struct kvp_ctx *c)
-{
-    if (c->engine_data)
-        kvp_window_free(c->engine_data);
-    free(c->engine_data);
-}
-
-const struct kvp_engine kvp_engine_fadvise = {
-    .name = "fadvise",
-    .warm_mode = "advise",
-    .setup = fadvise_setup,
-    .run = fadvise_run,
-    .teardown = fadvise_teardown,
-};

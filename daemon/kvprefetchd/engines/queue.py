@@ -1,0 +1,121 @@
+"""The asynchronous engine: files go in as they arrive, outcomes come out as they finish.
+
+One native queue (native/queue.c) per worker and warm mode, with persistent threads
+whose reads in flight follow each root's file system (native/depthctl.c): a slow
+tier gets hundreds of fetches in flight, a local disk as many as it serves faster
+with. The worker polls `fileno()` beside its channel, reaps what finished, and ticks
+the queue while files are out (stalled reads stop holding depth, late files fail).
+"""
+
+from __future__ import annotations
+
+import errno
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from kvprefetchd.engines.base import (
+    Completion,
+    EngineSettings,
+    WarmItem,
+    native_batch,
+    strerror,
+)
+from kvprefetchd.native import NativeUnavailable, load_native
+
+REAP_AT_ONCE = 4096  # outcomes moved per native call; more are left for the next
+
+
+@dataclass(frozen=True)
+class QueueFigures:
+    """What the queue says of itself, for the worker's stats."""
+
+    threads: int
+    pending: int
+    running: int
+    stalled: int
+    timed_out: int
+    depth: dict[int, tuple[int, int]]  # root fd -> (reads in flight allowed, service time us)
+
+
+class QueueEngine:
+    """A native queue: `take` hands it files, `reap` collects their outcomes."""
+
+    batched = False  # files are taken as they come, not a batch at a time
+
+    def __init__(self, name: str, warm_mode: str, settings: EngineSettings) -> None:
+        self.name = name
+        self.warm_mode = warm_mode
+        self.settings = settings
+        self._native = load_native()
+        self._outcome_names = self._native.outcome_names
+        ffi, lib = self._native.ffi, self._native.lib
+        config = ffi.new("struct kvp_queue_config *")
+        config.advise = int(warm_mode == "advise")
+        config.fadv_random = int(settings.fadv_random)
+        config.chunk = settings.chunk_bytes
+        config.initial_depth = settings.initial_depth
+        config.max_threads = settings.max_in_flight
+        config.timeout_ns = int(settings.file_timeout * 1e9)
+        error = ffi.new("int *")
+        queue = lib.kvp_queue_new(config, error)
+        if queue == ffi.NULL:
+            raise NativeUnavailable(f"{name}: cannot set up its queue ({strerror(error[0])})")
+        self._queue = ffi.gc(queue, lib.kvp_queue_free)
+        self._out = ffi.new("struct kvp_done[]", REAP_AT_ONCE)
+        self._items: dict[int, WarmItem] = {}  # tag -> what was submitted
+        self._next_tag = 1
+        self._refused: list[Completion] = []  # files the queue could not take
+
+    def fileno(self) -> int:
+        """Readable while outcomes wait to be reaped."""
+        return int(self._native.lib.kvp_queue_fd(self._queue))
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._items) + len(self._refused)
+
+    def take(self, pending: deque[WarmItem]) -> None:
+        """Submit every pending file (the supervisor's queue_limit bounds how many)."""
+        if not pending:
+            return
+        ffi, lib = self._native.ffi, self._native.lib
+        items = list(pending)
+        pending.clear()
+        native, keep = native_batch(ffi, items)  # the queue copies what it keeps
+        first = self._next_tag
+        self._next_tag += len(items)
+        tags = ffi.new("uint64_t[]", list(range(first, self._next_tag)))
+        taken = lib.kvp_queue_submit(self._queue, native, tags, len(items))
+        del keep
+        for offset, item in enumerate(items[:taken]):
+            self._items[first + offset] = item
+        # Out of memory: what the queue could not take fails now, not later.
+        self._refused.extend(Completion(item, "failed", errno.ENOMEM, 0, 0)
+                             for item in items[taken:])
+
+    def reap(self) -> list[Completion]:
+        lib = self._native.lib
+        done, self._refused = self._refused, []
+        names, items, out = self._outcome_names, self._items, self._out
+        while True:
+            n = lib.kvp_queue_reap(self._queue, out, REAP_AT_ONCE)
+            for index in range(n):
+                record = out[index]
+                item = items.pop(record.tag)
+                done.append(Completion(item, names[record.outcome], record.err, record.size,
+                                       record.done))
+            if n < REAP_AT_ONCE:
+                return done
+
+    def tick(self) -> None:
+        self._native.lib.kvp_queue_tick(self._queue)
+
+    def figures(self) -> QueueFigures:
+        ffi, lib = self._native.ffi, self._native.lib
+        stats: Any = ffi.new("struct kvp_queue_stats *")
+        lib.kvp_queue_stats(self._queue, stats)
+        depth = {int(stats.root_fd[i]): (int(stats.root_depth[i]), int(stats.root_rtt_us[i]))
+                 for i in range(stats.nroots)}
+        return QueueFigures(int(stats.threads), int(stats.pending), int(stats.running),
+                            int(stats.stalled), int(stats.timed_out), depth)

@@ -1,0 +1,115 @@
+/*
+ * depthctl.c: how many reads one root keeps in flight.
+ *
+ * Little's law: files per second = reads in flight / service time.  A warm-up
+ * wants files per second; latency only matters once it stops buying throughput.
+ * So the depth climbs while it pays: doubled per window at first, like TCP's
+ * slow start (a tier with 100 ms fetches needs hundreds in flight, and a
+ * cautious ramp would be most of a warm-up), then by a quarter.  When a deeper
+ * window brought no more files per second and the service time climbed (reads
+ * queue behind a saturated device, a tier's fetch slots, or the tier itself
+ * running out of CPU), the depth goes back to where the best throughput was
+ * seen, plus a tenth so the bottleneck never idles.  The best is forgotten
+ * slowly (2% a window), so the depth probes upward again now and then and
+ * follows a tier that got faster or slower.
+ *
+ * A window ends after max(4, depth/2) reads, or half a second with at least
+ * one: about one round of reads in flight, so each step sees the effect of the
+ * last.  A window whose reads never filled half the depth, or with no file
+ * waiting, says nothing about more depth (the root was not the limit): the
+ * depth stays.
+ */
+#include "queue.h"
+
+#define WINDOW_MAX_NS 500000000  /* 0.5 s */
+#define GAIN 1.05                /* a window is better when 5% faster */
+#define RISE_TOLERANCE 1.15      /* service time within 15% of the best: no congestion */
+#define HEADROOM 1.10            /* above the best depth, so the bottleneck stays busy */
+#define FORGET 0.98              /* the best throughput decays per window */
+#define STEP 1.25                /* growth per window once out of slow start */
+#define MIN_DEPTH 2.0
+#define STALL_MIN_NS 2000000000  /* a read is stalled after 2 s at least ... */
+#define STALL_FACTOR 20          /* ... or 20 times the root's service time */
+
+void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max)
+{
+    *d = (struct kvp_depth){ .limit = initial, .max = max, .slow_start = 1 };
+}
+
+uint32_t kvp_depth_limit(const struct kvp_depth *d)
+{
+    return (uint32_t)d->limit;
+}
+
+int64_t kvp_depth_rtt_ns(const struct kvp_depth *d)
+{
+    return d->rtt_ns;
+}
+
+int64_t kvp_depth_stall_ns(const struct kvp_depth *d)
+{
+    int64_t scaled = d->rtt_ns * STALL_FACTOR;
+    return scaled > STALL_MIN_NS ? scaled : STALL_MIN_NS;
+}
+
+static int64_t best_recent_rtt(const struct kvp_depth *d)
+{
+    int64_t best = 0;
+    for (uint32_t i = 0; i < d->history_n; i++)
+        if (best == 0 || d->history[i] < best)
+            best = d->history[i];
+    return best;
+}
+
+static void close_window(struct kvp_depth *d, int64_t now)
+{
+    int64_t mean = (int64_t)(d->window_sum_ns / d->window_n);
+    int64_t elapsed = now - d->window_start;
+    double rate = elapsed > 0 ? (double)d->window_n * 1e9 / (double)elapsed : 0;
+    int64_t base = best_recent_rtt(d);
+    int informative = d->window_backlog && d->window_peak * 2 >= (uint32_t)d->limit;
+    d->history[d->history_at] = mean;
+    d->history_at = (d->history_at + 1) % KVP_DEPTH_HISTORY;
+    if (d->history_n < KVP_DEPTH_HISTORY)
+        d->history_n++;
+    d->rtt_ns = mean;
+    d->best_rate *= FORGET;
+    if (informative) {
+        if (rate > d->best_rate * GAIN || base == 0 || mean <= base * RISE_TOLERANCE) {
+            if (rate > d->best_rate) {
+                d->best_rate = rate;
+                d->best_depth = d->limit;
+            }
+            d->limit = d->slow_start ? d->limit * 2 : d->limit * STEP;
+        } else {
+            /* No more files per second and slower reads: past the knee. */
+            d->slow_start = 0;
+            d->limit = d->best_depth > 0 ? d->best_depth * HEADROOM : d->limit / 2;
+        }
+    }
+    if (d->limit > d->max)
+        d->limit = d->max;
+    if (d->limit < MIN_DEPTH)
+        d->limit = MIN_DEPTH;
+    d->window_start = now;
+    d->window_n = d->window_sum_ns = 0;
+    d->window_peak = 0;
+    d->window_backlog = 0;
+}
+
+void kvp_depth_sample(struct kvp_depth *d, int64_t service_ns, uint32_t in_flight, int backlog,
+                      int64_t now)
+{
+    /* A window starts with its first read (not at the last close): an idle spell
+     * between two bursts must not count as a slow window. */
+    if (d->window_n == 0 && d->window_start < now - service_ns)
+        d->window_start = now - service_ns;
+    d->window_n++;
+    d->window_sum_ns += (uint64_t)(service_ns > 0 ? service_ns : 0);
+    if (in_flight > d->window_peak)
+        d->window_peak = in_flight;
+    d->window_backlog |= backlog;
+    uint64_t enough = (uint64_t)(d->limit / 2);
+    if ((d->window_n >= 4 && d->window_n >= enough) || now - d->window_start > WINDOW_MAX_NS)
+        close_window(d, now);
+}

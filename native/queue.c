@@ -1,0 +1,452 @@
+/*
+ * queue.c: the asynchronous warm-up queue.  Files are submitted and their
+ * outcomes reaped as they complete: persistent threads, no batch boundary, and
+ * as many reads in flight per root as that root's file system rewards.
+ *
+ * Why not a fixed pool: on a tier whose first read waits 10-200 ms for a remote
+ * fetch, warm-up time is files x latency / reads in flight (Little's law), so a
+ * fixed 16 threads per worker left a tier with room for hundreds of fetches
+ * idle (issue 13: 12.9 s where a 256-thread pool took 1.9 s); on a local disk,
+ * hundreds of threads only queue behind the device.  So each root gets its own
+ * depth, moved by depthctl.c from the service time of its reads.
+ *
+ * A root that hangs (a dead tier) keeps the threads it holds, but those reads
+ * stop counting against its depth once they have been running longer than the
+ * stall time, and other roots are served by other threads: one root cannot
+ * take the worker.  A file not finished by the deadline is settled FAILED with
+ * ETIMEDOUT at once; its thread, stuck in the kernel, frees it when (if) the
+ * read returns.  Threads are bounded by max_threads; the files waiting by the
+ * supervisor's queue_limit; every outcome crosses to Python through reap.
+ */
+#include "internal.h"
+#include "queue.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define KVP_QUEUE_STACK (128u << 10)  /* a worker thread's stack: it calls no deep code */
+#define KVP_QUEUE_SCRATCH 16u         /* read buffers shared by all threads (see below) */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- lists: pending per root (FIFO), running, done ------------------------ */
+static void push(struct qlist *l, struct qitem *it)
+{
+    it->next = NULL;
+    it->prev = l->tail;
+    if (l->tail)
+        l->tail->next = it;
+    else
+        l->head = it;
+    l->tail = it;
+    l->n++;
+}
+
+static void unlink_item(struct qlist *l, struct qitem *it)
+{
+    if (it->prev)
+        it->prev->next = it->next;
+    else
+        l->head = it->next;
+    if (it->next)
+        it->next->prev = it->prev;
+    else
+        l->tail = it->prev;
+    it->next = it->prev = NULL;
+    l->n--;
+}
+
+/* The completion list went from empty to not: wake the reaper's poll. */
+static void done_push(struct kvp_queue *q, struct qitem *it)
+{
+    int was_empty = q->done.n == 0;
+    push(&q->done, it);
+    if (was_empty) {
+        uint64_t one = 1;
+        ssize_t w = write(q->efd, &one, sizeof one);
+        (void)w;  /* EAGAIN only when the counter is full: it is readable anyway */
+    }
+}
+
+/* ---- roots ---------------------------------------------------------------- */
+static struct qroot *root_of(struct kvp_queue *q, int fd)
+{
+    for (uint32_t i = 0; i < q->nroots; i++)
+        if (q->roots[i].fd == fd)
+            return &q->roots[i];
+    if (q->nroots == KVP_QUEUE_MAX_ROOTS)
+        return &q->roots[KVP_QUEUE_MAX_ROOTS - 1];  /* shares the last slot's depth */
+    struct qroot *r = &q->roots[q->nroots++];
+    memset(r, 0, sizeof *r);
+    r->fd = fd;
+    kvp_depth_init(&r->depth, q->cfg.initial_depth, q->cfg.max_threads);
+    return r;
+}
+
+/* May the root start another read?  Stalled reads hold threads, not depth. */
+static int root_ready(const struct qroot *r)
+{
+    return r->pending.n > 0 && r->running - r->stalled < kvp_depth_limit(&r->depth);
+}
+
+/* The next file to start, taking the roots in turn; NULL when none may start. */
+static struct qitem *next_item(struct kvp_queue *q)
+{
+    for (uint32_t k = 0; k < q->nroots; k++) {
+        struct qroot *r = &q->roots[(q->turn + k) % q->nroots];
+        if (root_ready(r)) {
+            q->turn = (q->turn + k + 1) % q->nroots;
+            struct qitem *it = r->pending.head;
+            unlink_item(&r->pending, it);
+            return it;
+        }
+    }
+    return NULL;
+}
+
+static int work_waiting(const struct kvp_queue *q)
+{
+    for (uint32_t k = 0; k < q->nroots; k++)
+        if (root_ready(&q->roots[k]))
+            return 1;
+    return 0;
+}
+
+/* ---- the work of one file ---------------------------------------------- */
+/* Read [0, span) into a shared scratch buffer.  The bytes are thrown away:
+ * only the page-cache side effect matters, so threads may overwrite each
+ * other's data; sixteen buffers keep two cores off the same cache lines while
+ * a thousand threads cost sixteen chunks of memory, not a thousand. */
+static void warm(struct kvp_queue *q, struct qitem *qi, int fd, uint64_t span)
+{
+    struct kvp_item *it = &qi->it;
+    char *buf = q->scratch + (size_t)(qi->seq % KVP_QUEUE_SCRATCH) * q->base.cfg.chunk;
+    uint64_t off = 0;
+    int e = 0, tries = 0;
+    /* Advice first: one WILLNEED asks for the whole head as large requests
+     * (mm/fadvise.c force_page_cache_readahead), which the confirming reads
+     * below then wait for instead of requesting chunk by chunk. */
+    if (q->cfg.advise)
+        (void)posix_fadvise(fd, 0, (off_t)span, POSIX_FADV_WILLNEED);
+    while (off < span) {
+        ssize_t r = pread(fd, buf, (size_t)MIN(span - off, (uint64_t)q->base.cfg.chunk), (off_t)off);
+        if (r > 0)
+            off += (uint64_t)r;  /* a short read continues from where it stopped */
+        else if (r == 0)
+            break;  /* EOF: the file shrank since fstat */
+        else if (errno != EINTR && !(errno == EAGAIN && tries++ < KVP_RETRIES && !kvp_clear_nonblock(fd))) {
+            e = errno;
+            break;
+        }
+    }
+    it->done = off;
+    settle(it, e ? KVP_OUT_FAILED : KVP_OUT_READ, e);
+    close(fd);
+}
+
+static void process(struct kvp_queue *q, struct qitem *qi)
+{
+    uint64_t span = 0;
+    int fd = kvp_item_open(&q->base, &qi->it, &span);
+    if (fd >= 0)
+        warm(q, qi, fd, span);
+}
+
+/* ---- threads ---------------------------------------------------------------- */
+static void *thread_main(void *arg);
+
+/* Called with the lock held: one more thread when work waits, none is idle, and
+ * the cap allows.  One at a time: the new thread, once running, spawns the next
+ * if work still waits, so a burst grows the pool at thread-creation speed. */
+static void maybe_spawn(struct kvp_queue *q)
+{
+    pthread_t tid;
+    if (q->idle > 0 || q->threads >= q->cfg.max_threads || q->stopping || !work_waiting(q))
+        return;
+    q->threads++;
+    if (pthread_create(&tid, &q->attr, thread_main, q) != 0) {
+        q->threads--;  /* the system refused: serve with what there is */
+        q->spawn_failures++;
+    }
+}
+
+static void *thread_main(void *arg)
+{
+    struct kvp_queue *q = arg;
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        struct qitem *qi;
+        while (!q->stopping && !(qi = next_item(q))) {
+            q->idle++;
+            pthread_cond_wait(&q->work, &q->mu);
+            q->idle--;
+        }
+        if (q->stopping)
+            break;
+        struct qroot *r = &q->roots[qi->root];
+        r->running++;
+        qi->started = now_ns();
+        push(&q->running, qi);
+        maybe_spawn(q);
+        pthread_mutex_unlock(&q->mu);
+
+        process(q, qi);
+
+        int64_t finished = now_ns();
+        pthread_mutex_lock(&q->mu);
+        unlink_item(&q->running, qi);
+        r->running--;
+        if (qi->stalled)
+            r->stalled--;
+        /* Only reads that did I/O tell the root's depth anything: a resident
+         * check or a missing file costs microseconds whatever the depth. */
+        if (qi->it.outcome == KVP_OUT_READ && qi->it.done > 0)
+            kvp_depth_sample(&r->depth, finished - qi->started, r->running - r->stalled + 1,
+                             r->pending.n > 0, finished);
+        if (qi->abandoned)
+            free(qi);  /* settled ETIMEDOUT already; the reaper has its answer */
+        else
+            done_push(q, qi);
+        if (work_waiting(q))
+            pthread_cond_signal(&q->work);  /* a freed depth slot or a grown limit */
+    }
+    q->threads--;
+    pthread_cond_broadcast(&q->exited);
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+/* ---- the API (kvprefetch.h) -------------------------------------------------- */
+void kvp_queue_free(struct kvp_queue *q)
+{
+    if (!q)
+        return;
+    pthread_mutex_lock(&q->mu);
+    q->stopping = 1;
+    pthread_cond_broadcast(&q->work);
+    /* Threads stuck in the kernel (a hung tier) cannot be joined: wait a moment,
+     * then leave the queue to them (leaked, not freed under their feet).  The
+     * process is normally exiting when this runs. */
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 1;
+    while (q->threads > 0 && pthread_cond_timedwait(&q->exited, &q->mu, &until) == 0)
+        ;
+    int left = q->threads;
+    pthread_mutex_unlock(&q->mu);
+    if (left > 0)
+        return;
+    while (q->done.head) {
+        struct qitem *it = q->done.head;
+        unlink_item(&q->done, it);
+        free(it);
+    }
+    for (uint32_t i = 0; i < q->nroots; i++)
+        while (q->roots[i].pending.head) {
+            struct qitem *it = q->roots[i].pending.head;
+            unlink_item(&q->roots[i].pending, it);
+            free(it);
+        }
+    pthread_attr_destroy(&q->attr);
+    if (q->efd >= 0)
+        close(q->efd);
+    if (q->scratch)
+        munmap(q->scratch, q->scratch_len);
+    free(q);
+}
+
+struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err)
+{
+    struct kvp_queue *q = NULL;
+    int e = EINVAL;
+    if (!cfg || cfg->chunk == 0 || cfg->chunk > KVP_MAX_CHUNK || cfg->max_threads == 0 ||
+        cfg->max_threads > KVP_QUEUE_MAX_THREADS || cfg->initial_depth == 0)
+        goto fail;
+    e = ENOMEM;
+    if (!(q = calloc(1, sizeof *q)))
+        goto fail;
+    q->cfg = *cfg;
+    q->cfg.initial_depth = MIN(cfg->initial_depth, cfg->max_threads);
+    q->efd = -1;
+    q->base.cfg.chunk = cfg->chunk;
+    q->base.cfg.fadv_random = cfg->fadv_random && !cfg->advise;
+    kvp_open_probe(&q->base);
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->work, NULL);
+    pthread_cond_init(&q->exited, NULL);
+    pthread_attr_init(&q->attr);
+    pthread_attr_setstacksize(&q->attr, KVP_QUEUE_STACK);
+    pthread_attr_setdetachstate(&q->attr, PTHREAD_CREATE_DETACHED);
+    q->scratch_len = (size_t)KVP_QUEUE_SCRATCH * cfg->chunk;
+    q->scratch = mmap(NULL, q->scratch_len, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (q->scratch == MAP_FAILED) {
+        q->scratch = NULL;
+        goto fail;
+    }
+    if ((q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
+        e = errno;
+        goto fail;
+    }
+    return q;
+fail:
+    kvp_queue_free(q);
+    if (err)
+        *err = e;
+    return NULL;
+}
+
+int kvp_queue_fd(const struct kvp_queue *q)
+{
+    return q->efd;
+}
+
+size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const uint64_t *tags,
+                        size_t n)
+{
+    int64_t t = now_ns();
+    pthread_mutex_lock(&q->mu);
+    for (size_t i = 0; i < n; i++) {
+        size_t len = items[i].rel ? strlen(items[i].rel) : 0;
+        struct qitem *qi = malloc(sizeof *qi + len + 1);
+        if (!qi) {
+            n = i;  /* out of memory: items [i, n) are not taken */
+            break;
+        }
+        memset(qi, 0, sizeof *qi);
+        memcpy(qi->rel, items[i].rel ? items[i].rel : "", len + 1);
+        qi->it = items[i];
+        qi->it.rel = qi->rel;
+        qi->it.outcome = KVP_OUT_FAILED;
+        qi->it.err = 0;
+        qi->it.size = qi->it.done = 0;
+        qi->tag = tags[i];
+        qi->submitted = t;
+        qi->seq = q->seq++;
+        struct qroot *r = root_of(q, items[i].root_fd);
+        qi->root = (uint16_t)(r - q->roots);
+        push(&r->pending, qi);
+    }
+    q->submitted += n;
+    maybe_spawn(q);
+    pthread_cond_broadcast(&q->work);
+    pthread_mutex_unlock(&q->mu);
+    return n;
+}
+
+size_t kvp_queue_reap(struct kvp_queue *q, struct kvp_done *out, size_t max)
+{
+    uint64_t count;
+    size_t n = 0;
+    ssize_t r = read(q->efd, &count, sizeof count);  /* clear before looking: no lost wakeup */
+    (void)r;
+    pthread_mutex_lock(&q->mu);
+    while (n < max && q->done.head) {
+        struct qitem *qi = q->done.head;
+        unlink_item(&q->done, qi);
+        out[n++] = (struct kvp_done){ qi->tag, qi->it.outcome, qi->it.err, qi->it.size, qi->it.done };
+        free(qi);
+    }
+    if (q->done.n > 0) {  /* more than max: keep the fd readable */
+        uint64_t one = 1;
+        ssize_t w = write(q->efd, &one, sizeof one);
+        (void)w;
+    }
+    q->reaped += n;
+    pthread_mutex_unlock(&q->mu);
+    return n;
+}
+
+/* Settle a file that ran out of time: a pending one is taken off its list; a
+ * running one stays its thread's (abandoned) and a copy carries the outcome. */
+static void expire(struct kvp_queue *q, struct qitem *qi, int running)
+{
+    struct qitem *copy = qi;
+    if (running) {
+        if (!(copy = malloc(sizeof *copy + 1)))
+            return;  /* try again at the next tick */
+        memset(copy, 0, sizeof *copy);
+        copy->tag = qi->tag;
+        qi->abandoned = 1;
+    } else {
+        unlink_item(&q->roots[qi->root].pending, qi);
+    }
+    copy->it.outcome = KVP_OUT_FAILED;
+    copy->it.err = ETIMEDOUT;
+    q->timed_out++;
+    done_push(q, copy);
+}
+
+void kvp_queue_tick(struct kvp_queue *q)
+{
+    int64_t t = now_ns();
+    pthread_mutex_lock(&q->mu);
+    int freed = 0;
+    for (struct qitem *qi = q->running.head; qi; qi = qi->next) {
+        struct qroot *r = &q->roots[qi->root];
+        if (!qi->stalled && t - qi->started > kvp_depth_stall_ns(&r->depth)) {
+            qi->stalled = 1;  /* holds its thread, no longer its root's depth */
+            r->stalled++;
+            q->stalls++;
+            freed = 1;
+        }
+        if (!qi->abandoned && q->cfg.timeout_ns && t - qi->submitted > (int64_t)q->cfg.timeout_ns)
+            expire(q, qi, 1);
+    }
+    if (q->cfg.timeout_ns)
+        for (uint32_t i = 0; i < q->nroots; i++) {
+            struct qitem *qi = q->roots[i].pending.head, *next;
+            for (; qi && t - qi->submitted > (int64_t)q->cfg.timeout_ns; qi = next) {
+                next = qi->next;  /* FIFO: the oldest are first */
+                expire(q, qi, 0);
+            }
+        }
+    if (freed) {
+        maybe_spawn(q);
+        pthread_cond_broadcast(&q->work);
+    }
+    pthread_mutex_unlock(&q->mu);
+}
+
+void kvp_queue_force_fallback(struct kvp_queue *q, int32_t which)
+{
+    kvp_ctx_force_fallback(&q->base, which);
+}
+
+void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&q->mu);
+    out->threads = q->threads;
+    out->idle = q->idle;
+    out->submitted = q->submitted;
+    out->reaped = q->reaped;
+    out->timed_out = q->timed_out;
+    out->stalls = q->stalls;
+    out->spawn_failures = q->spawn_failures;
+    for (uint32_t i = 0; i < q->nroots; i++) {
+        const struct qroot *r = &q->roots[i];
+        out->pending += r->pending.n;
+        out->running += r->running;
+        out->stalled += r->stalled;
+        if (i < KVP_QUEUE_STATS_ROOTS) {
+            out->root_fd[i] = r->fd;
+            out->root_depth[i] = kvp_depth_limit(&r->depth);
+            out->root_rtt_us[i] = (uint32_t)(kvp_depth_rtt_ns(&r->depth) / 1000);
+            out->nroots = i + 1;
+        }
+    }
+    pthread_mutex_unlock(&q->mu);
+}

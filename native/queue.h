@@ -1,0 +1,89 @@
+/*
+ * queue.h: the asynchronous queue's insides (queue.c) and its depth controller
+ * (depthctl.c).  Internal, like internal.h: cffi reads only kvprefetch.h.
+ */
+#ifndef KVP_QUEUE_H
+#define KVP_QUEUE_H
+
+#include "internal.h"
+
+#include <pthread.h>
+
+#define KVP_QUEUE_MAX_ROOTS 64  /* roots tracked apart; more share the last slot */
+
+#pragma GCC visibility push(hidden)
+
+/* ---- depthctl.c: how many reads a root keeps in flight -------------------- */
+#define KVP_DEPTH_HISTORY 16  /* windows remembered for the uncongested service time */
+
+struct kvp_depth {
+    double limit;          /* reads in flight allowed now */
+    uint32_t max;          /* never more: the queue's max_threads */
+    int slow_start;        /* doubling until the service time first rises */
+    int64_t window_start;  /* ns */
+    uint64_t window_n, window_sum_ns;
+    uint32_t window_peak;  /* most reads in flight during the window */
+    int window_backlog;    /* files were waiting for depth during the window */
+    int64_t history[KVP_DEPTH_HISTORY];  /* mean service time of recent windows, ns */
+    uint32_t history_n, history_at;
+    int64_t rtt_ns;        /* the last window's mean service time */
+    double best_rate;      /* the most reads per second a window has seen (decaying) */
+    double best_depth;     /* the depth that window ran at */
+};
+
+void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max);
+uint32_t kvp_depth_limit(const struct kvp_depth *d);
+/* One read finished after service_ns, with in_flight reads (itself included)
+ * running and files waiting (backlog) when it ended. */
+void kvp_depth_sample(struct kvp_depth *d, int64_t service_ns, uint32_t in_flight, int backlog,
+                      int64_t now);
+/* A read running longer than this is stalled: it keeps its thread but not its
+ * root's depth, so a hung tier cannot hold every slot. */
+int64_t kvp_depth_stall_ns(const struct kvp_depth *d);
+int64_t kvp_depth_rtt_ns(const struct kvp_depth *d);
+
+/* ---- queue.c ------------------------------------------------------------ */
+struct qitem {
+    struct kvp_item it;      /* it.rel points at rel[] below */
+    uint64_t tag;            /* the caller's, returned with the outcome */
+    uint64_t seq;            /* submission order: picks a scratch buffer */
+    int64_t submitted, started;  /* CLOCK_MONOTONIC ns */
+    uint16_t root;           /* index in kvp_queue.roots */
+    uint8_t stalled;         /* counted in its root's stalled reads */
+    uint8_t abandoned;       /* settled by timeout; its thread frees it */
+    struct qitem *next, *prev;
+    char rel[];
+};
+
+struct qlist {
+    struct qitem *head, *tail;
+    uint32_t n;
+};
+
+struct qroot {
+    int fd;                  /* the root's fd, as items name it */
+    struct qlist pending;    /* FIFO: waiting for a thread and depth */
+    uint32_t running, stalled;
+    struct kvp_depth depth;
+};
+
+struct kvp_queue {
+    struct kvp_ctx base;     /* what open.c needs: openat2 and /proc probes, chunk */
+    struct kvp_queue_config cfg;
+    pthread_mutex_t mu;
+    pthread_cond_t work, exited;
+    pthread_attr_t attr;
+    struct qroot roots[KVP_QUEUE_MAX_ROOTS];
+    uint32_t nroots, turn;
+    struct qlist running, done;
+    int efd;                 /* eventfd: readable while done is not empty */
+    uint32_t threads, idle;
+    int stopping;
+    uint64_t seq, submitted, reaped, timed_out, stalls, spawn_failures;
+    char *scratch;
+    size_t scratch_len;
+};
+
+#pragma GCC visibility pop
+
+#endif
