@@ -19,8 +19,12 @@ from dataclasses import dataclass
 
 from kvprefetchd.native import load_native
 
-# File systems whose cold files are stubs without allocated blocks.
-TIERED_FILESYSTEMS = frozenset({"gpfs", "lustre"})
+# File systems whose cold files are stubs without allocated blocks (mountinfo's type,
+# "fuse.SUBTYPE" for FUSE). fuse.tiersim is the project's slow-tier simulator
+# (bench/tiersim), whose st_blocks counts fetched chunks as an HSM stub does. FUSE
+# object stores (JuiceFS, gcsfuse, s3fs) are not listed: their st_blocks follows the
+# file's size, not what is local, so the tier rule would call every file resident.
+TIERED_FILESYSTEMS = frozenset({"gpfs", "lustre", "fuse.tiersim"})
 
 
 @dataclass(frozen=True)
