@@ -35,6 +35,10 @@ SOCKET = "/run/kvprefetchd/kvprefetchd.sock"
 CONFIG = "/etc/kvprefetchd/config.toml"
 
 
+class WheelsUnavailable(RuntimeError):
+    """The package index cannot be reached for the wheels the container needs."""
+
+
 @dataclass(frozen=True)
 class Installed:
     method: str  # how it got there, for the report
@@ -83,7 +87,9 @@ def download_wheels(dest: Path, log: Path) -> list[str]:
     with open(log, "ab") as output:
         result = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"pip download failed (status {result.returncode}); see {log}")
+        tail = log.read_text(errors="replace").splitlines()[-10:]
+        raise WheelsUnavailable(f"pip download failed (status {result.returncode}); end of "
+                                f"{log}:\n" + "\n".join(tail))
     return sorted(p.name for p in dest.iterdir())
 
 

@@ -199,9 +199,10 @@ def _debootstrap(target: Path, mirror: str, log: Path) -> None:
             process.wait()
             raise
     if status != 0:
+        # Most often the mirror is unreachable: a reason to skip here, a failure in CI.
         tail = log.read_text(errors="replace").splitlines()[-15:]
-        raise RuntimeError(f"debootstrap failed (status {status}); end of {log}:\n"
-                           + "\n".join(tail))
+        raise RootfsUnavailable(f"debootstrap from {mirror} failed (status {status}); "
+                                f"end of {log}:\n" + "\n".join(tail))
 
 
 def _finish(root: Path) -> None:
