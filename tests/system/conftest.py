@@ -1,11 +1,9 @@
 """The system test's fixtures: a Debian 12 container booted with systemd, kvprefetchd installed.
 
-Runs only when asked (`./dev test-system` sets KVPREFETCH_SYSTEM=1; CI also sets
-KVPREFETCH_REQUIRE_SYSTEM=1): it needs root, debootstrap and systemd-nspawn, and takes
-minutes. Where it cannot run it skips with the reason, unless KVPREFETCH_REQUIRE_SYSTEM=1
-makes that a failure.
+Runs only when asked, and skips or fails where it cannot run (system_gate.py): it needs
+root, debootstrap and systemd-nspawn, and takes minutes.
 
-One container per session (booting and installing cost ~30 s); each test starts from the
+One container per session (booting and installing take ~10 s); each test starts from the
 installed state (`Service.reset()`). The container is torn down on every way out: the
 fixture's finalizer, SIGTERM and SIGHUP turned into KeyboardInterrupt (so pytest's
 teardown runs as on Ctrl-C), and atexit as the last resort. A run killed with SIGKILL
@@ -15,7 +13,6 @@ leaves its container to the next run, which reaps it (system_container.reap_stal
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -29,25 +26,13 @@ from system_container import (
     nspawn_problem,
     reap_stale,
 )
-from system_install import PipInstall, WheelsUnavailable, download_wheels
+from system_gate import NOT_ASKED, asked, unavailable
+from system_install import WheelsUnavailable, chosen_installation
 from system_rootfs import RootfsUnavailable, ensure_rootfs
 from system_service import FIGURES, MEMBER, OUTSIDER, SOCKET_UNIT, Service
 
-ENABLE_ENV = "KVPREFETCH_SYSTEM"
-REQUIRE_ENV = "KVPREFETCH_REQUIRE_SYSTEM"
-
 # Figures for the summary at the end of the run (pytest_terminal_summary).
 TIMINGS: dict[str, str] = {}
-
-
-def _required() -> bool:
-    return os.environ.get(REQUIRE_ENV) == "1"
-
-
-def _unavailable(reason: str) -> None:
-    if _required():
-        pytest.fail(f"{REQUIRE_ENV}=1 but the system test cannot run: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -56,11 +41,11 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 @pytest.fixture(scope="session")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    if os.environ.get(ENABLE_ENV) != "1" and not _required():
-        pytest.skip(f"the system test runs under ./dev test-system ({ENABLE_ENV}=1)")
+    if not asked():
+        pytest.skip(NOT_ASKED)
     problem = nspawn_problem()
     if problem:
-        _unavailable(problem)
+        unavailable(problem)
     work = tmp_path_factory.mktemp("system")
     reaped = reap_stale(cgroup_hierarchies())
     if reaped:
@@ -68,19 +53,18 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     try:
         rootfs = ensure_rootfs(work / "debootstrap.log")
     except RootfsUnavailable as error:
-        _unavailable(str(error))
-        raise  # unreachable: _unavailable skips or fails
+        unavailable(str(error))
+        raise  # unreachable: unavailable() skips or fails
     TIMINGS["rootfs"] = (f"{'built' if rootfs.built else 'cached'} in {rootfs.seconds:.1f} s: "
                          f"{rootfs.path}")
 
     started = time.monotonic()
-    wheels = work / "wheels"
-    wheels.mkdir()
+    installation = chosen_installation()
     try:
-        download_wheels(wheels, work / "pip-download.log")
+        installation.prepare(work)
     except WheelsUnavailable as error:
-        _unavailable(str(error))
-    TIMINGS["pip download (host)"] = f"{time.monotonic() - started:.1f} s"
+        unavailable(str(error))
+    TIMINGS["prepare on the host"] = f"{time.monotonic() - started:.1f} s"
 
     container = Container(rootfs.path, work / "console.log")
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -89,9 +73,9 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         try:
             container.boot()
         except ContainerUnavailable as error:
-            _unavailable(str(error))
+            unavailable(str(error))
         TIMINGS["boot"] = f"{container.boot_seconds:.1f} s (machine {container.name})"
-        installed = PipInstall(wheels).install(container)
+        installed = installation.install(container)
         TIMINGS["install"] = f"{installed.seconds:.1f} s: {installed.method}"
         started = time.monotonic()
         # README: "systemctl daemon-reload && systemctl enable --now kvprefetchd.socket",

@@ -47,9 +47,16 @@ class Installed:
 
 
 class Installation(Protocol):
+    """How kvprefetchd gets into the container (the README's pip path; later a .deb)."""
+
     name: str
 
-    def install(self, container: Container) -> Installed: ...
+    def prepare(self, work: Path) -> None:
+        """On the host, before the container boots: fetch or build what install() copies in
+        (the container has no network). Raises WheelsUnavailable (or the like) to skip."""
+
+    def install(self, container: Container) -> Installed:
+        """Put the daemon, the units, the config and the kvprefetchd account in place."""
 
 
 # ---- the tree under test -------------------------------------------------------------------
@@ -108,11 +115,17 @@ class PipInstall:
     source = "/root/src"
     wheels = "/root/wheels"
 
-    def __init__(self, wheel_dir: Path, repo: Path = REPO) -> None:
-        self.wheel_dir = wheel_dir
+    def __init__(self, repo: Path = REPO) -> None:
         self.repo = repo
+        self.wheel_dir: Path | None = None
+
+    def prepare(self, work: Path) -> None:
+        self.wheel_dir = work / "wheels"
+        self.wheel_dir.mkdir()
+        download_wheels(self.wheel_dir, work / "pip-download.log")
 
     def install(self, container: Container) -> Installed:
+        assert self.wheel_dir is not None, "prepare() first"
         started = time.monotonic()
         container.copy_in(self.repo, tree_files(self.repo), self.source)
         container.copy_in(self.wheel_dir, sorted(os.listdir(self.wheel_dir)), self.wheels)
@@ -127,3 +140,15 @@ class PipInstall:
             raise CommandFailed(f"install-systemd did not point the unit at the venv "
                                 f"({expected}):\n{result.stdout}")
         return Installed(self.name, f"{self.venv}/bin/kvprefetch", time.monotonic() - started)
+
+
+# The methods `KVPREFETCH_SYSTEM_INSTALL` may name (default: the README's).
+INSTALL_ENV = "KVPREFETCH_SYSTEM_INSTALL"
+INSTALLATIONS: dict[str, type[Installation]] = {"pip": PipInstall}
+
+
+def chosen_installation() -> Installation:
+    name = os.environ.get(INSTALL_ENV) or "pip"
+    if name not in INSTALLATIONS:
+        raise ValueError(f"{INSTALL_ENV}={name}: not one of {', '.join(INSTALLATIONS)}")
+    return INSTALLATIONS[name]()
