@@ -64,6 +64,7 @@ class WorkerPlan:
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
+    dedup_bytes: int = 16 << 20
     nice: int = 0
 
     @property
@@ -110,7 +111,8 @@ class Worker:
         self.sock = sock
         self.reader = ChannelReader(sock)
         self.root_fds = [_open_root(root) for root in plan.roots]
-        self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries)
+        self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
+                                     budget_bytes=plan.dedup_bytes)
         self.in_flight = InFlight()
         # Per warm mode: its engine (built when first needed) and the files waiting for it.
         self.engines: dict[str, Engine] = {plan.warm_mode: engine}
