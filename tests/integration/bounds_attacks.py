@@ -311,14 +311,40 @@ def _run(name: str, tmp: Path) -> str:
                     "inline_refused": lambda: huge_tp_resolve(root),
                 }[name]()
                 out["result"] = send_and_answer(path, data, window)
-            elif name == "big_reply":
-                out["result"] = send_and_answer(path, big_reply_resolve(root), window)
-            elif name == "non_readers":
+            elif name in ("big_reply", "big_reply_tp1"):
+                tp = 4 if name == "big_reply" else 1
+                out["result"] = send_and_answer(path, big_reply_resolve(root, tp=tp), window)
+            elif name in ("non_readers", "non_readers_tp1"):
+                tp = 4 if name == "non_readers" else 1
                 socks = hold_connections(path, 10)
                 for sock in socks:
-                    sock.sendall(big_reply_resolve(root))
+                    sock.sendall(big_reply_resolve(root, tp=tp))
                 time.sleep(8)
                 out["result"] = "10 clients not reading"
+            elif name == "pipelined":
+                layout = inline_layout(root, tp_size=1024, kv_cache_groups=[{"block_size": 16}] * 8)
+                frames = b"".join(frame({"v": 1, "id": i, "op": "resolve", "hash": HASH,
+                                         "layout": layout,
+                                         "prompts": [{"token_ids": list(range(16))}]})
+                                  for i in range(300))
+                hog = hold_connections(path, 1)[0]
+                threading.Thread(target=hog.sendall, args=(frames,), daemon=True).start()
+                time.sleep(3)
+                out["result"] = "300 resolves of 1.4 MB replies, not read"
+            elif name == "deadlines":
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.connect(path)
+                    wait = {"v": 1, "op": "prefetch", "paths": [root + "/absent"],
+                            "wait": True, "timeout_ms": 10**12}
+                    for start in range(0, 20_000, 500):
+                        sock.sendall(b"".join(frame({**wait, "id": i})
+                                              for i in range(start, start + 500)))
+                        for _ in range(500):
+                            read_reply(sock)
+                    sock.sendall(frame({"v": 1, "id": 9, "op": "stats"}))
+                    stats = read_reply(sock)["stats"]
+                out["result"] = "20000 waits with timeout_ms=10**12"
+                out["extra"] = {"deadlines": stats.get("bounds", {}).get("deadlines", "n/a")}
             elif name == "slowloris":
                 socks = hold_connections(path, 40)
                 sent = push_partial_frames(socks, 16 * MIB - 1)
@@ -379,7 +405,8 @@ def _dedup_run(tmp: Path) -> str:
 
 
 ATTACKS = ["huge_tp", "overflow", "inline_refused", "nested", "block_size_1", "many_groups",
-           "big_reply", "non_readers", "slowloris", "stale_map", "dedup"]
+           "big_reply", "big_reply_tp1", "non_readers", "non_readers_tp1", "pipelined",
+           "slowloris", "stale_map", "deadlines", "dedup"]
 
 
 def main(names: list[str]) -> None:
