@@ -23,7 +23,7 @@ import selectors
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from kvprefetchd.peers import Peer
@@ -127,7 +127,11 @@ class Connection:
         self.need = 0  # what it waits for in the pool's queue
         self.waiting = False
         self.owed = 0  # frames taken and not answered yet (every frame gets one reply)
-        self.last_active = time.monotonic()  # a frame taken or a reply sent
+        # Frames taken plus replies sent: a counter (cheaper than a clock per frame) that
+        # the idle sweep compares with what it saw last time.
+        self.activity = 0
+        self.seen_activity = 0
+        self.quiet_since = time.monotonic()
         self.partial_since: float | None = None  # when its unfinished frame began
 
     def fileno(self) -> int:
@@ -145,8 +149,8 @@ class Connection:
         (the `resolve` op refuses its own before building it: this is the backstop)."""
         if self.closed or self.broken:
             return
-        self.owed = max(0, self.owed - 1)
-        self.last_active = time.monotonic()
+        self.owed -= 1  # below 0 only for a reply to no frame (a revocation), then dropped
+        self.activity += 1
         data = encode_frame(message)
         if len(data) > self.max_output_bytes:
             self.events["replies_too_large"] += 1
@@ -203,16 +207,6 @@ class Connection:
             return
         self.frames.append(data)
 
-    def take(self) -> Iterator[bytes | int]:
-        """Whole frames' payloads (or the size of one skipped as too large), stopping as
-        soon as the client is backlogged; the rest stays buffered for later."""
-        for frame in self.frames.take():
-            self.owed += 1
-            self.last_active = time.monotonic()
-            yield frame.payload if frame.payload is not None else frame.skipped_bytes
-            if self.backlogged or self.closed or self.broken:
-                return
-
     def settle_input(self, took: bool) -> list[Connection]:
         """After frames were taken: give back the grant of a frame now whole, ask for the
         next one's, and keep the unfinished frame's clock. Returns connections to wake."""
@@ -232,15 +226,24 @@ class Connection:
 
     def wanted_events(self) -> int:
         """Read while it may; write while output waits; nothing (unregistered) while it
-        waits for the input pool with nothing to send."""
-        events = selectors.EVENT_READ if self.wants_input() else 0
-        if self.output:
-            events |= selectors.EVENT_WRITE
-        return events
+        waits for the input pool with nothing to send. (Once per reply: kept flat.)"""
+        pending = len(self.output)
+        if pending > self.max_output_bytes or self.waiting:
+            return selectors.EVENT_WRITE if pending else 0
+        readable = FREE_INPUT_BYTES + self.grant > self.frames.buffered
+        return (selectors.EVENT_READ if readable else 0) | (
+            selectors.EVENT_WRITE if pending else 0)
 
-    def idle(self) -> bool:
-        """Nothing owed, nothing to send, nothing half received: closing loses nothing."""
-        return not (self.owed or self.output or self.frames.buffered)
+    def idle_since(self, now: float) -> float | None:
+        """Since when nothing was owed, sent, received or left half received (closing it
+        loses nothing), as far as the sweeps that call this can tell; None: busy."""
+        if self.activity != self.seen_activity:
+            self.seen_activity = self.activity
+            self.quiet_since = now
+        if self.owed > 0 or self.output or self.frames.buffered:
+            self.quiet_since = now
+            return None
+        return self.quiet_since
 
     def close(self) -> None:
         if not self.closed:

@@ -146,6 +146,23 @@ def encode_frame(message: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+def _unpack(payload: bytes, limits: Limits, budget: DecodeBudget | None) -> Any:
+    # The longest array any op takes; each op checks its own bound after decoding (too
+    # many paths or tokens is `too_large`, with the limit named).
+    longest = max(limits.max_paths, limits.max_tokens)
+    if budget is None:  # two calls rather than **kwargs: this is every request's path
+        return msgpack.unpackb(
+            payload, raw=False, max_str_len=limits.max_frame_bytes,
+            max_bin_len=limits.max_frame_bytes, max_array_len=longest, max_map_len=1024,
+            max_ext_len=0,
+        )
+    return msgpack.unpackb(
+        payload, raw=False, max_str_len=limits.max_frame_bytes,
+        max_bin_len=limits.max_frame_bytes, max_array_len=longest, max_map_len=1024,
+        max_ext_len=0, list_hook=budget.count, object_hook=budget.count,
+    )
+
+
 class _TooMany(Exception):
     """Raised from inside msgpack's hooks: decoding stops at once, nothing more is built."""
 
@@ -184,23 +201,20 @@ class DecodeBudget:
 
 
 def decode_payload(payload: bytes, limits: Limits) -> dict[str, Any]:
-    """Unpack one frame's body with explicit limits; anything but a map is a bad request."""
-    budget = DecodeBudget(limits)
+    """Unpack one frame's body with explicit limits; anything but a map is a bad request.
+
+    Every container and every element takes at least a byte, so a frame no longer than
+    both budgets cannot exceed them: only larger frames are decoded with the counting hooks.
+    """
+    size = len(payload)
+    budget = (
+        None if size <= limits.max_containers and size <= limits.max_items
+        else DecodeBudget(limits)
+    )
     try:
-        message = msgpack.unpackb(
-            payload,
-            raw=False,
-            max_str_len=limits.max_frame_bytes,
-            max_bin_len=limits.max_frame_bytes,
-            # The longest array any op takes; each op checks its own bound after decoding
-            # (too many paths or tokens is `too_large`, with the limit named).
-            max_array_len=max(limits.max_paths, limits.max_tokens),
-            max_map_len=1024,
-            max_ext_len=0,
-            list_hook=budget.count,
-            object_hook=budget.count,
-        )
+        message = _unpack(payload, limits, budget)
     except _TooMany:
+        assert budget is not None
         raise budget.refusal() from None
     except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError) as error:
         raise RequestError(BAD_REQUEST, f"not one msgpack value: {error}") from error

@@ -303,16 +303,23 @@ class Server:
         """Hand on every whole frame buffered (until its client is backlogged), then
         settle what the connection may read next."""
         took = False
-        for frame in connection.take():
+        output, most = connection.output, connection.max_output_bytes  # (kept flat: per frame)
+        for frame in connection.frames.take():
             took = True
-            if isinstance(frame, int):
+            connection.owed += 1
+            payload = frame.payload
+            if payload is None:
                 self.requests[f"none:error_{TOO_LARGE}"] += 1
                 connection.send(error_reply(
-                    None, TOO_LARGE, f"frame of {frame} bytes exceeds the limit of "
-                    f"{connection.frames.max_frame_bytes}",
+                    None, TOO_LARGE, f"frame of {frame.skipped_bytes} bytes exceeds the limit "
+                    f"of {connection.frames.max_frame_bytes}",
                 ))
             else:
-                self.on_frame(connection, frame)
+                self.on_frame(connection, payload)
+            if len(output) > most or connection.closed or connection.broken:
+                break  # backlogged: the rest stays buffered until its client reads
+        if took:
+            connection.activity += 1
         for woken in connection.settle_input(took):
             self.refresh(woken)
 
@@ -360,7 +367,7 @@ class Server:
                 self.events["connections_closed_slow"] += 1
                 log.debug("closed a connection whose frame stayed unfinished for %.0f s", slow)
                 self.drop(connection)
-            elif idle and connection.idle() and now - connection.last_active > idle:
+            elif idle and now - (connection.idle_since(now) or now) > idle:
                 self.events["connections_closed_idle"] += 1
                 self.drop(connection)
 
