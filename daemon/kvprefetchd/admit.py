@@ -48,7 +48,7 @@ def admit(paths: list[Any], roots: Roots, room: list[int]) -> Admission:
     entries: list[list[list[Any]]] = [[] for _ in range(workers)]
     refused: list[tuple[object, str]] = []
     dropped = 0
-    place = roots.place
+    place = roots.place_canonical  # every spelling of a file: one shard, one dedup key
     for path in paths:
         placed = place(path)
         if isinstance(placed, str):

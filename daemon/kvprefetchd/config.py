@@ -87,19 +87,31 @@ class Config:
     worker_nice: int = 5
     dedup_ttl_ms: int = 1000
     dedup_entries: int = 65536
+    dedup_bytes: int = 16 * MIB  # of remembered path keys per worker
     max_frame_bytes: int = 16 * MIB
     max_paths_per_request: int = 100_000
     max_path_bytes: int = 4096
     max_nesting_depth: int = 16  # arrays and maps in a request (the top map is 1)
-    max_output_bytes: int = 8 * MIB  # replies buffered for one slow client before it is cut off
+    max_request_containers: int = 1 << 17  # arrays and maps a request may decode to
+    max_request_items: int = 1 << 21  # their elements and entries
+    max_output_bytes: int = 8 * MIB  # the largest reply; and what waits for a slow reader
+    max_input_buffer_bytes: int = 32 * MIB  # unfinished frames, all connections (connection.py)
     max_connections: int = 1024
+    max_connections_per_uid: int = 128
+    idle_timeout: float = 600.0  # a connection that owes and asks nothing this long is closed
+    frame_timeout: float = 30.0  # a frame begun must be whole within this many seconds
     models: Mapping[str, Profile] = field(default_factory=dict)
     # [models.NAME] warm_mode: a profile may warm by advice where the global mode reads.
     model_warm_modes: Mapping[str, str] = field(default_factory=dict)
-    allow_inline_layouts: bool = True  # prefetch_blocks with inline hash+layout maps
+    allow_inline_layouts: bool = True  # inline hash+layout maps (prefetch_blocks and resolve)
     max_prompts: int = 64
     max_tokens: int = 1 << 20
+    max_blocks: int = 1 << 16  # block hashes a KV request names or computes
+    max_ranks: int = 1024  # tp x pp x pcp of an inline layout
+    max_kv_cache_groups: int = 64  # of an inline layout
+    max_kv_path_bytes: int = 32 * MIB  # the paths one KV request may expand to
     stale_streak: int = 256  # consecutive missing files before a profile is checked for staleness
+    max_stale_profiles: int = 1024  # profiles (inline fingerprints too) watched for staleness
     drain_seconds: float = 3.0  # plus at most 1 s to stop workers: out within 5 s
     # A worker that owes outcomes and has sent nothing for this long is wedged (stuck
     # in a native call on a dead tier): killed, its files failed, and replaced. 0: never.
@@ -131,15 +143,33 @@ _INT_KEYS = {
     "worker_nice": (0, 19),
     "dedup_ttl_ms": (0, 3_600_000),
     "dedup_entries": (0, 10_000_000),
+    "dedup_bytes": (0, 1 << 30),
     "max_frame_bytes": (64, 1 << 30),
     "max_paths_per_request": (1, 10_000_000),
     "max_path_bytes": (16, 65536),
     "max_nesting_depth": (8, 512),
+    "max_request_containers": (64, 1 << 24),
+    "max_request_items": (1024, 1 << 28),
     "max_output_bytes": (64 * KIB, 1 << 32),
+    "max_input_buffer_bytes": (64, 1 << 34),
     "max_connections": (1, 65536),
+    "max_connections_per_uid": (1, 65536),
     "max_prompts": (1, 65536),
     "max_tokens": (1, 1 << 28),
+    "max_blocks": (1, 1 << 24),
+    "max_ranks": (1, 1 << 20),
+    "max_kv_cache_groups": (1, 65536),
+    "max_kv_path_bytes": (64 * KIB, 1 << 32),
     "stale_streak": (1, 1 << 30),
+    "max_stale_profiles": (1, 1 << 20),
+}
+# Seconds, 0 meaning never: (the key, the shortest non-zero value, the longest).
+_SECONDS_KEYS = {
+    # Below 1 s a healthy batch on a slow tier would look wedged.
+    "worker_timeout": (1.0, 3600.0),
+    "file_timeout": (0.1, 86400.0),
+    "idle_timeout": (1.0, 86400.0),
+    "frame_timeout": (1.0, 3600.0),
 }
 _CHOICE_KEYS = {
     "engine": ENGINES,
@@ -223,22 +253,14 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
             raise ConfigError("drain_seconds: expected a number of seconds in [0, 60]")
         return float(value)
-    if key == "file_timeout":
+    if key in _SECONDS_KEYS:
+        shortest, longest = _SECONDS_KEYS[key]
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
-            or not (value == 0 or 0.1 <= value <= 86400)
+            or not (value == 0 or shortest <= value <= longest)
         ):
-            raise ConfigError("file_timeout: expected 0 (none) or seconds in [0.1, 86400]")
-        return float(value)
-    if key == "worker_timeout":
-        # Below 1 s a healthy batch on a slow tier would look wedged; 0 turns the check off.
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not (value == 0 or 1 <= value <= 3600)
-        ):
-            raise ConfigError("worker_timeout: expected 0 (off) or seconds in [1, 3600]")
+            raise ConfigError(f"{key}: expected 0 (off) or seconds in [{shortest:g}, {longest:g}]")
         return float(value)
     raise ConfigError(f"{key}: unknown setting")
 
@@ -256,6 +278,11 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
     config = Config(**merged)
     if config.read_bytes > config.max_read_bytes:
         raise ConfigError("read_bytes: larger than max_read_bytes")
+    if config.max_input_buffer_bytes < config.max_frame_bytes:
+        raise ConfigError(
+            "max_input_buffer_bytes: smaller than max_frame_bytes, so a frame of the largest "
+            "size could never be read whole"
+        )
     check_profiles(config, "")
     unknown_roots = set(config.residency_by_root) - set(config.roots)
     if unknown_roots:
@@ -264,9 +291,17 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
 
 
 def check_profiles(config: Config, note: str) -> None:
-    """Every profile's root_dir lies beneath a root in force: a profile elsewhere could
-    never be warmed, and its discovery would list (and quote) directories outside them."""
+    """Every profile's root_dir lies beneath a root in force (a profile elsewhere could
+    never be warmed, and its discovery would list, and quote, directories outside them),
+    and within the bounds an inline profile is held to."""
     for name, profile in config.models.items():
+        # Held to the bounds of an inline profile: ranks and groups multiply every path.
+        if profile.rank_count > config.max_ranks:
+            raise ConfigError(f"models.{name}.layout: {profile.rank_count} ranks (tp x pp x "
+                              f"pcp), above max_ranks ({config.max_ranks})")
+        if len(profile.group_factors) > config.max_kv_cache_groups:
+            raise ConfigError(f"models.{name}.layout.kv_cache_groups: more than "
+                              f"max_kv_cache_groups ({config.max_kv_cache_groups})")
         root_dir = os.path.normpath(profile.layout.root_dir)
         if not any(root_dir == r or root_dir.startswith(r.rstrip("/") + "/") for r in config.roots):
             raise ConfigError(
@@ -282,7 +317,7 @@ RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
     "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "dedup_ttl_ms",
-    "dedup_entries", "worker_nice", "metrics", "model_warm_modes",
+    "dedup_entries", "dedup_bytes", "worker_nice", "metrics", "model_warm_modes",
 })
 
 

@@ -14,25 +14,40 @@ from collections.abc import Callable
 
 Key = tuple[int, bytes]
 
+# What one remembered head costs beside its path's bytes (the key tuple, the entry
+# tuple, the float, the ordered dict's slot), measured with sys.getsizeof on 3.11.
+ENTRY_OVERHEAD_BYTES = 200
+
 
 class RecentlyWarmed:
-    """Heads warmed within `ttl` seconds, at most `capacity` of them (oldest forgotten first)."""
+    """Heads warmed within `ttl` seconds, at most `capacity` of them and `budget_bytes` of
+    memory (oldest forgotten first): paths may be up to max_path_bytes long, so a count
+    alone bounds nothing (65,536 entries of 4 KiB paths are 256 MiB)."""
 
     def __init__(
-        self, ttl: float, capacity: int, clock: Callable[[], float] = time.monotonic
+        self, ttl: float, capacity: int, clock: Callable[[], float] = time.monotonic,
+        budget_bytes: int = 16 << 20,
     ) -> None:
         self._ttl = ttl
         self._capacity = capacity
+        self._budget = budget_bytes
         self._clock = clock
         self._entries: OrderedDict[Key, tuple[float, int]] = OrderedDict()
+        self.bytes = 0  # what the entries cost, by ENTRY_OVERHEAD_BYTES + path bytes
 
     def remember(self, key: Key, read_bytes: int) -> None:
         if self._capacity <= 0 or self._ttl <= 0:
             return
+        if key not in self._entries:
+            self.bytes += len(key[1]) + ENTRY_OVERHEAD_BYTES
         self._entries[key] = (self._clock() + self._ttl, read_bytes)
         self._entries.move_to_end(key)
-        while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
+        while len(self._entries) > self._capacity or self.bytes > self._budget:
+            self._forget(next(iter(self._entries)))
+
+    def _forget(self, key: Key) -> None:
+        del self._entries[key]
+        self.bytes -= len(key[1]) + ENTRY_OVERHEAD_BYTES
 
     def covers(self, key: Key, read_bytes: int) -> bool:
         """True when `key` was warmed at least `read_bytes` deep and the memory is still fresh."""
@@ -41,7 +56,7 @@ class RecentlyWarmed:
             return False
         expires, warmed = entry
         if expires < self._clock():
-            del self._entries[key]
+            self._forget(key)
             return False
         return warmed >= read_bytes
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 from kvprefetch.stats import KVStats
 from kvprefetchd import kv
 from kvprefetchd.config import Config
-from kvprefetchd.protocol import BAD_REQUEST, RequestError
+from kvprefetchd.protocol import BAD_REQUEST, TOO_LARGE, RequestError
 
 log = logging.getLogger("kvprefetchd.kv")
 
@@ -27,7 +28,27 @@ REDISCOVER_SECONDS = 60.0
 
 
 def kv_limits(config: Config) -> kv.Limits:
-    return kv.Limits(max_prompts=config.max_prompts, max_tokens=config.max_tokens)
+    """The KV request bounds of the configuration: a KV request may name no more files
+    than a prefetch request may carry paths."""
+    return kv.Limits(
+        max_prompts=config.max_prompts, max_tokens=config.max_tokens,
+        max_block_hashes=config.max_blocks, max_files=config.max_paths_per_request,
+        max_plan_bytes=config.max_kv_path_bytes, max_ranks=config.max_ranks,
+        max_kv_cache_groups=config.max_kv_cache_groups,
+    )
+
+
+# What a `resolve` reply holds besides its paths: per path a msgpack str header (at most
+# 5 bytes), per block hash its 64 hex digits and header, and the envelope.
+PATH_OVERHEAD_BYTES = 5
+HEX_HASH_BYTES = 64 + 2
+ENVELOPE_BYTES = 256
+
+
+def resolve_reply_bytes(request: kv.KVRequest) -> int:
+    """An upper bound of the `resolve` reply's size, from counts the parser already has."""
+    return (request.plan_bytes + PATH_OVERHEAD_BYTES * request.files
+            + HEX_HASH_BYTES * request.blocks + ENVELOPE_BYTES)
 
 
 class KVService:
@@ -39,13 +60,18 @@ class KVService:
         allow_inline: bool,
         stale_streak: int,
         roots: tuple[str, ...] = (),
+        capacity: int = 1024,
+        max_reply_bytes: int = 8 << 20,
     ) -> None:
         self.profiles = profiles
         self.limits = limits
         self.allow_inline = allow_inline
         self.roots = roots
-        self.stale = kv.StaleDetector(streak=stale_streak)
-        self._discovered: dict[kv.Profile, tuple[float, str]] = {}
+        self.max_reply_bytes = max_reply_bytes
+        self.stale = kv.StaleDetector(streak=stale_streak, capacity=capacity)
+        # Inline "discover" profiles are keys too: as bounded as the stale watches.
+        self._discovered: OrderedDict[kv.Profile, tuple[float, str]] = OrderedDict()
+        self.capacity = capacity
         self.resolved_requests = 0
         self.resolve_seconds = 0.0
 
@@ -54,6 +80,7 @@ class KVService:
         return cls(
             config.models, kv_limits(config), allow_inline=config.allow_inline_layouts,
             stale_streak=config.stale_streak, roots=config.roots,
+            capacity=config.max_stale_profiles, max_reply_bytes=config.max_output_bytes,
         )
 
     def reconfigure(self, config: Config) -> None:
@@ -61,18 +88,27 @@ class KVService:
         self.profiles = config.models
         self.limits = kv_limits(config)
         self.allow_inline = config.allow_inline_layouts
+        self.max_reply_bytes = config.max_output_bytes
+        self.capacity = config.max_stale_profiles
+        self.stale.resize(config.max_stale_profiles)
         self._discovered.clear()
 
     def resolve(
         self, body: Mapping[str, Any], request_id: int, *, for_prefetch: bool
     ) -> tuple[kv.Profile, kv.Resolution]:
-        """Parse, hash and lay out a KV request; errors become protocol error replies."""
+        """Parse, hash and lay out a KV request; errors become protocol error replies.
+
+        `allow_inline_layouts = false` refuses inline layouts for `resolve` too: it costs
+        the supervisor what warming them costs, short of the reads. A `resolve` whose
+        reply would exceed max_output_bytes is refused before anything is hashed.
+        """
         started = time.perf_counter()
         try:
             request = kv.parse_kv_request(
-                body, self.profiles, self.limits,
-                allow_inline=self.allow_inline or not for_prefetch,
+                body, self.profiles, self.limits, allow_inline=self.allow_inline
             )
+            if not for_prefetch:
+                self.check_reply_size(request, request_id)
             fingerprint = self.discovered(request.profile)
             resolution = kv.resolve(request, fingerprint=fingerprint)
         except kv.KVError as error:
@@ -88,6 +124,17 @@ class KVService:
             elapsed * 1e3,
         )
         return request.profile, resolution
+
+    def check_reply_size(self, request: kv.KVRequest, request_id: int) -> None:
+        size = resolve_reply_bytes(request)
+        if size > self.max_reply_bytes:
+            raise RequestError(
+                TOO_LARGE,
+                f"the reply would take up to {size} bytes ({request.files} paths, "
+                f"{request.blocks} block hashes), above max_output_bytes "
+                f"({self.max_reply_bytes}): ask for fewer blocks at a time",
+                request_id,
+            )
 
     def discovered(self, profile: kv.Profile) -> str | None:
         """The fingerprint found on disk for a `discover` profile (cached), else None."""
@@ -111,6 +158,9 @@ class KVService:
         if cached is None or cached[1] != found:
             log.info("profile %s: discovered fingerprint %s", profile.name, found)
         self._discovered[profile] = (now, found)
+        self._discovered.move_to_end(profile)
+        while len(self._discovered) > self.capacity:
+            self._discovered.popitem(last=False)
         return found
 
     def may_list(self, profile: kv.Profile) -> bool:
@@ -161,6 +211,13 @@ class KVService:
             "resolved_requests": self.resolved_requests,
             "resolve_ms_total": round(self.resolve_seconds * 1e3, 3),
             "stale": self.stale.report(),
+        }
+
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        """Its per-key maps: {name: (entries, capacity)} for the `bounds` stats section."""
+        return {
+            "stale_profiles": (len(self.stale), self.stale.capacity),
+            "discovered_fingerprints": (len(self._discovered), self.capacity),
         }
 
 

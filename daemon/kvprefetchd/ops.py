@@ -58,6 +58,8 @@ def request_limits(config: Config) -> Limits:
         config.max_path_bytes,
         config.max_tokens,
         config.max_nesting_depth,
+        config.max_request_containers,
+        config.max_request_items,
     )
 
 
@@ -77,7 +79,11 @@ class Ops:
         self.requests: Counter[str] = Counter()  # "op:ok", "op:error_CODE"
         self.ack_latency = Histograms(ACK_BUCKETS)
         self.wait_latency = Histogram(WAIT_BUCKETS)
+        # Waiters with a deadline, earliest first. One answered before its deadline stays
+        # in the heap until then (a `timeout_ms` of years: for ever), so the heap is
+        # rebuilt once those outnumber the rest: it holds at most twice the open waiters.
         self._deadlines: list[tuple[float, int, Waiter]] = []
+        self._answered_early = 0
         self._sequence = itertools.count()
         self.handlers: dict[str, Handler] = {
             "ping": self.ping,
@@ -214,6 +220,8 @@ class Ops:
         if waiter.answered:
             return
         waiter.answered = True
+        if waiter.deadline is not None and waiter.deadline > time.monotonic():
+            self._forget_deadline()  # answered before its deadline: its heap entry is stale
         if waiter.profile is not None:
             self.kv.record(waiter.profile, waiter.fingerprint, waiter.outcomes)
         if waiter.reply_to is None:
@@ -231,6 +239,18 @@ class Ops:
         ))
 
     # ---- deadlines -------------------------------------------------------------------------
+
+    def _forget_deadline(self) -> None:
+        self._answered_early += 1
+        if self._answered_early > 64 and 2 * self._answered_early > len(self._deadlines):
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].answered]
+            heapq.heapify(self._deadlines)
+            self._answered_early = 0
+
+    @property
+    def deadlines(self) -> int:
+        """Entries in the deadline heap (the `bounds` stats section)."""
+        return len(self._deadlines)
 
     def next_due(self, now: float) -> float | None:
         return max(0.0, self._deadlines[0][0] - now) if self._deadlines else None

@@ -12,7 +12,12 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections import Counter
 from dataclasses import dataclass
+
+# Connections beyond max_connections that only root and the daemon's own user may open:
+# an operator's ping gets through while other users hold every ordinary slot.
+PRIVILEGED_RESERVE = 16
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # asm-generic/socket.h
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -59,3 +64,31 @@ class PeerPolicy:
 
     def allows(self, peer: Peer) -> bool:
         return peer.uid in self.uids or not self.gids.isdisjoint(peer.gids)
+
+
+class Seats:
+    """How many connections each peer holds, and whether it may open one more: at most
+    `per_uid` per user, `total` in all, plus PRIVILEGED_RESERVE for the privileged."""
+
+    def __init__(self) -> None:
+        self.per_uid: Counter[int] = Counter()
+        self.privileged = frozenset({0, os.getuid()})
+
+    def refusal(self, peer: Peer, open_now: int, total: int, per_uid: int) -> str | None:
+        """Why `peer` may not open another connection, or None if it may."""
+        held = self.per_uid[peer.uid]
+        if held >= per_uid:
+            return (f"uid {peer.uid} has {held} connections open, the most one user may "
+                    "(max_connections_per_uid)")
+        limit = total + (PRIVILEGED_RESERVE if peer.uid in self.privileged else 0)
+        if open_now >= limit:
+            return f"{open_now} connections are open, the most the daemon takes (max_connections)"
+        return None
+
+    def take(self, peer: Peer) -> None:
+        self.per_uid[peer.uid] += 1
+
+    def give_back(self, peer: Peer) -> None:
+        self.per_uid[peer.uid] -= 1
+        if self.per_uid[peer.uid] <= 0:
+            del self.per_uid[peer.uid]

@@ -137,6 +137,7 @@ class WorkerPool:
             ),
             dedup_ttl=config.dedup_ttl_ms / 1000.0,
             dedup_entries=config.dedup_entries,
+            dedup_bytes=config.dedup_bytes,
             nice=config.worker_nice,
         )
 

@@ -60,6 +60,11 @@ class Limits:
     # well-formed request is 5 or 6 (a prompt's mm_features, a layout's layer_names);
     # msgpack's own C stack stops at 1024 whatever this says.
     max_nesting_depth: int = 16
+    # Arrays and maps in one request, and their elements plus entries: what decoding may
+    # build, whatever the frame's size. One byte of msgpack can be a whole empty array,
+    # so a 14 MB frame of nested arrays decoded into 14 million lists (14.5 s, +1 GiB).
+    max_containers: int = 1 << 17
+    max_items: int = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,15 @@ class FrameReader:
         self._skip = 0
 
     def feed(self, data: bytes) -> Iterator[Frame]:
+        self.append(data)
+        return self.take()
+
+    def append(self, data: bytes) -> None:
         self._buffer += data
+
+    def take(self) -> Iterator[Frame]:
+        """The frames buffered now, one at a time: a caller may stop between two (its
+        client is backlogged) and take the rest later; nothing is lost or parsed twice."""
         while True:
             if self._skip:
                 taken = min(self._skip, len(self._buffer))
@@ -111,26 +124,98 @@ class FrameReader:
     def buffered(self) -> int:
         return len(self._buffer)
 
+    def head_bytes(self) -> int | None:
+        """The whole size (header included) of the frame at the head of the buffer, once
+        its header is in and it is one to keep (None while skipping or unknown)."""
+        if self._skip or len(self._buffer) < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(self._buffer)
+        return None if length > self.max_frame_bytes else HEADER.size + length
+
+    @property
+    def partial(self) -> bool:
+        """Bytes of a frame not yet whole are buffered (and no whole frame waits)."""
+        if not self._buffer:
+            return False
+        head = self.head_bytes()
+        return head is None or len(self._buffer) < head
+
 
 def encode_frame(message: dict[str, Any]) -> bytes:
     body: bytes = msgpack.packb(message, use_bin_type=True)
     return HEADER.pack(len(body)) + body
 
 
-def decode_payload(payload: bytes, limits: Limits) -> dict[str, Any]:
-    """Unpack one frame's body with explicit limits; anything but a map is a bad request."""
-    try:
-        message = msgpack.unpackb(
-            payload,
-            raw=False,
-            max_str_len=limits.max_frame_bytes,
-            max_bin_len=limits.max_frame_bytes,
-            # The longest array any op takes; each op checks its own bound after decoding
-            # (too many paths or tokens is `too_large`, with the limit named).
-            max_array_len=max(limits.max_paths, limits.max_tokens),
-            max_map_len=1024,
+def _unpack(payload: bytes, limits: Limits, budget: DecodeBudget | None) -> Any:
+    # The longest array any op takes; each op checks its own bound after decoding (too
+    # many paths or tokens is `too_large`, with the limit named).
+    longest = max(limits.max_paths, limits.max_tokens)
+    if budget is None:  # two calls rather than **kwargs: this is every request's path
+        return msgpack.unpackb(
+            payload, raw=False, max_str_len=limits.max_frame_bytes,
+            max_bin_len=limits.max_frame_bytes, max_array_len=longest, max_map_len=1024,
             max_ext_len=0,
         )
+    return msgpack.unpackb(
+        payload, raw=False, max_str_len=limits.max_frame_bytes,
+        max_bin_len=limits.max_frame_bytes, max_array_len=longest, max_map_len=1024,
+        max_ext_len=0, list_hook=budget.count, object_hook=budget.count,
+    )
+
+
+class _TooMany(Exception):
+    """Raised from inside msgpack's hooks: decoding stops at once, nothing more is built."""
+
+
+class DecodeBudget:
+    """Counts what decoding builds, from msgpack's per-container hooks, and stops it.
+
+    The hooks run once per array and per map as each is completed (innermost first), so
+    a request is stopped after at most `max_containers` containers and `max_items`
+    elements plus one array of at most max_array_len: its cost is bounded before the
+    rest of the frame is looked at. The usual request (a map and one array) costs two
+    calls.
+    """
+
+    __slots__ = ("containers", "items", "limits")
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.containers = 0
+        self.items = 0
+
+    def count(self, container: Any) -> Any:
+        self.containers += 1
+        self.items += len(container)
+        if self.containers > self.limits.max_containers or self.items > self.limits.max_items:
+            raise _TooMany
+        return container
+
+    def refusal(self) -> RequestError:
+        limits = self.limits
+        if self.containers > limits.max_containers:
+            what = f"more than max_request_containers ({limits.max_containers}) arrays and maps"
+        else:
+            what = f"more than max_request_items ({limits.max_items}) elements and entries"
+        return RequestError(TOO_LARGE, f"the request holds {what}")
+
+
+def decode_payload(payload: bytes, limits: Limits) -> dict[str, Any]:
+    """Unpack one frame's body with explicit limits; anything but a map is a bad request.
+
+    Every container and every element takes at least a byte, so a frame no longer than
+    both budgets cannot exceed them: only larger frames are decoded with the counting hooks.
+    """
+    size = len(payload)
+    budget = (
+        None if size <= limits.max_containers and size <= limits.max_items
+        else DecodeBudget(limits)
+    )
+    try:
+        message = _unpack(payload, limits, budget)
+    except _TooMany:
+        assert budget is not None
+        raise budget.refusal() from None
     except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError) as error:
         raise RequestError(BAD_REQUEST, f"not one msgpack value: {error}") from error
     except RecursionError as error:

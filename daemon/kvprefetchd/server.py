@@ -1,9 +1,16 @@
 """The listening socket and the client connections: accept, peer checks, bytes in, frames out.
 
 Knows sockets and frames, not ops: each complete frame is handed to the `on_frame`
-callback, and replies come back through `Connection.send`, buffered and never
-blocking. Registered on the supervisor's selector with callbacks as key data, so the
-event loop only calls them.
+callback, and replies come back through `Connection.send` (connection.py), buffered and
+never blocking. Registered on the supervisor's selector with callbacks as key data, so
+the event loop only calls them.
+
+Who may hold a connection: peers the policy names (re-checked on every reload: a uid
+taken out of `allowed_uids` loses its open connections), at most
+`max_connections_per_uid` each and `max_connections` in all, plus a reserve of
+PRIVILEGED_RESERVE that only root and the daemon's own user may use, so an operator's
+ping gets through while others hog every slot. A connection that owes and asks nothing
+for `idle_timeout`, or leaves a frame unfinished for `frame_timeout`, is closed.
 """
 
 from __future__ import annotations
@@ -13,18 +20,19 @@ import errno
 import functools
 import logging
 import os
+import resource
 import selectors
 import socket
 import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from kvprefetchd import systemd
 from kvprefetchd.config import Config
-from kvprefetchd.peers import PeerPolicy, peer_of
-from kvprefetchd.protocol import FORBIDDEN, TOO_LARGE, FrameReader, encode_frame, error_reply
+from kvprefetchd.connection import Connection, InputPool
+from kvprefetchd.peers import PRIVILEGED_RESERVE, Peer, PeerPolicy, Seats, peer_of
+from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, TOO_LARGE, encode_frame, error_reply
 
 log = logging.getLogger("kvprefetchd.server")
 
@@ -33,7 +41,8 @@ log = logging.getLogger("kvprefetchd.server")
 # tried again would spin (measured: 70% of a CPU and 80,000 log lines in 2 s).
 # The listener is taken out of the selector for this long instead.
 ACCEPT_REST = 0.5
-RECV_BYTES = 256 * 1024
+# How often idle and slow connections are looked for (their timeouts are this coarse).
+SWEEP_SECONDS = 1.0
 
 
 class SocketInUse(RuntimeError):
@@ -114,97 +123,6 @@ def accept_ready(listener: socket.socket, what: str) -> Iterator[socket.socket]:
         yield sock
 
 
-class Connection:
-    """One client: its frame reader and a bounded buffer of replies not yet sent."""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        max_frame_bytes: int,
-        max_output_bytes: int,
-        on_change: Callable[[Connection], None] | None = None,
-    ) -> None:
-        self.sock = sock
-        self.frames = FrameReader(max_frame_bytes)
-        self.output = bytearray()
-        self.max_output_bytes = max_output_bytes
-        self.closed = False
-        self.broken = False
-        self.watched = 0  # the selector events registered for it now
-        self.handler: Callable[[int], None] | None = None  # its selector callback
-        self._on_change = on_change
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def set_limits(self, max_frame_bytes: int, max_output_bytes: int) -> None:
-        """A reload's new limits apply to the next frame and the next reply."""
-        self.frames.max_frame_bytes = max_frame_bytes
-        self.max_output_bytes = max_output_bytes
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self.closed or self.broken:
-            return
-        self.output += encode_frame(message)
-        self.flush()
-        if self._on_change is not None:
-            self._on_change(self)
-
-    def flush(self) -> None:
-        """Send what the kernel takes now; the rest waits for the socket to be writable."""
-        while self.output and not (self.closed or self.broken):
-            try:
-                sent = self.sock.send(self.output)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as error:
-                if error.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
-                    # The server unregisters and closes it; closing here would
-                    # leave the selector holding a dead fd.
-                    self.broken = True
-                    self.output.clear()
-                    return
-                raise
-            del self.output[:sent]
-
-    def receive(self) -> list[bytes | int]:
-        """What one recv brought: each whole frame's payload, or the size of a frame
-        skipped as too large (an int). EOF or a reset marks the connection broken."""
-        try:
-            data = self.sock.recv(RECV_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return []
-        except OSError:
-            data = b""
-        if not data:
-            self.broken = True
-            return []
-        return [
-            frame.payload if frame.payload is not None else frame.skipped_bytes
-            for frame in self.frames.feed(data)
-        ]
-
-    @property
-    def backlogged(self) -> bool:
-        """True once a client stops reading: we stop reading too instead of buffering forever."""
-        return len(self.output) > self.max_output_bytes
-
-    def wanted_events(self) -> int:
-        """Read unless backlogged; write while output waits (never nothing: a paused,
-        drained connection still needs an event to be noticed)."""
-        events = 0 if self.backlogged else selectors.EVENT_READ
-        if self.output:
-            events |= selectors.EVENT_WRITE
-        return events or selectors.EVENT_WRITE
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.output.clear()
-            with contextlib.suppress(OSError):
-                self.sock.close()
-
-
 class Server:
     """The request socket and its connections, on the supervisor's selector.
 
@@ -223,16 +141,19 @@ class Server:
         self.config = config
         self.selector = selector
         self.on_frame = on_frame
-        self.events = events  # connections_refused, peers_forbidden, accept_paused
+        self.events = events  # connections_refused, peers_forbidden, accept_paused, ...
         self.requests = requests  # oversized frames count as requests that never parsed
         self.listener: socket.socket | None = None
         # (dev, ino) of the socket file we bound; None for a socket handed to us (systemd's
         # socket activation): its file belongs to whoever made it.
         self.socket_file: tuple[int, int] | None = None
         self.connections: dict[int, Connection] = {}
+        self.seats = Seats()  # open connections by peer uid
+        self.input_pool = InputPool(config.max_input_buffer_bytes, events)
         self.peer_policy: PeerPolicy | None = None  # made once the socket exists
         self.resting_until: float | None = None  # out of fds: not accepting
         self.out_of_fds_since: float | None = None
+        self.next_sweep = time.monotonic() + SWEEP_SECONDS
 
     # ---- the listener ------------------------------------------------------------------------
 
@@ -248,6 +169,7 @@ class Server:
                 info = os.lstat(self.config.socket)
                 self.socket_file = (info.st_dev, info.st_ino)
         self.listener = listener
+        ensure_fd_room(self.config.max_connections + PRIVILEGED_RESERVE + 256)
 
     def start_accepting(self) -> None:
         assert self.listener is not None
@@ -257,12 +179,9 @@ class Server:
         assert self.listener is not None
         try:
             for sock in accept_ready(self.listener, "requests"):
-                if len(self.connections) >= self.config.max_connections:
-                    sock.close()
-                    self.events["connections_refused"] += 1
-                    continue
-                if self.peer_allowed(sock):
-                    self.add_connection(sock)
+                peer = self.admit_peer(sock)
+                if peer is not None:
+                    self.add_connection(sock, peer)
         except OSError as error:
             if not out_of_fds(error):
                 raise
@@ -290,13 +209,19 @@ class Server:
                         "accept %.1f s at a time)", error.strerror, ACCEPT_REST)
 
     def next_due(self, now: float) -> float | None:
-        return None if self.resting_until is None else max(0.0, self.resting_until - now)
+        dues = [] if self.resting_until is None else [self.resting_until - now]
+        if self.connections and (self.config.idle_timeout or self.config.frame_timeout):
+            dues.append(self.next_sweep - now)
+        return max(0.0, min(dues)) if dues else None
 
     def tick(self, now: float) -> None:
         if self.resting_until is not None and now >= self.resting_until:
             self.resting_until = None
             if self.listener is not None:
                 self.start_accepting()
+        if now >= self.next_sweep:
+            self.next_sweep = now + SWEEP_SECONDS
+            self.sweep(now)
 
     def close_listener(self) -> None:
         if self.listener is None:
@@ -316,54 +241,95 @@ class Server:
 
     # ---- peers ---------------------------------------------------------------------------
 
-    def peer_allowed(self, sock: socket.socket) -> bool:
-        """Refuse a peer the policy does not name: one `forbidden` reply, then closed."""
+    def policy(self) -> PeerPolicy:
+        if self.peer_policy is None:
+            self.peer_policy = PeerPolicy.default(
+                self.config.socket, self.config.allowed_uids, self.config.allowed_gids
+            )
+        return self.peer_policy
+
+    def admit_peer(self, sock: socket.socket) -> Peer | None:
+        """The peer, if it may have one more connection; else it gets one error reply
+        (`forbidden`, or `overloaded` when its share or every slot is taken) and is closed."""
         try:
             peer = peer_of(sock)
         except OSError as error:
             log.warning("cannot read a peer's credentials (%s); refused", error)
             sock.close()
-            return False
-        if self.peer_policy is None:
-            self.peer_policy = PeerPolicy.default(
-                self.config.socket, self.config.allowed_uids, self.config.allowed_gids
-            )
-        if self.peer_policy.allows(peer):
-            return True
-        log.warning("refused a peer: pid %d uid %d is not allowed", peer.pid, peer.uid)
-        self.events["peers_forbidden"] += 1
-        with contextlib.suppress(OSError):
-            refusal = error_reply(None, FORBIDDEN, "this user may not use kvprefetchd")
-            sock.send(encode_frame(refusal))
-        sock.close()
-        return False
+            return None
+        if not self.policy().allows(peer):
+            log.warning("refused a peer: pid %d uid %d is not allowed", peer.pid, peer.uid)
+            self.events["peers_forbidden"] += 1
+            refuse(sock, FORBIDDEN, "this user may not use kvprefetchd")
+            return None
+        refusal = self.seats.refusal(peer, len(self.connections), self.config.max_connections,
+                                     self.config.max_connections_per_uid)
+        if refusal is not None:
+            self.events["connections_refused"] += 1
+            refuse(sock, OVERLOADED, refusal)
+            return None
+        return peer
+
+    def revoke_peers(self) -> None:
+        """A reload: cut every open connection whose peer the new policy no longer allows."""
+        policy = self.policy()
+        for connection in list(self.connections.values()):
+            peer = connection.peer
+            if peer is None or policy.allows(peer):
+                continue
+            log.warning("reload: uid %d (pid %d) is no longer allowed; its connection is closed",
+                        peer.uid, peer.pid)
+            self.events["peers_revoked"] += 1
+            connection.send(error_reply(None, FORBIDDEN, "this user may no longer use "
+                                        "kvprefetchd"))
+            connection.flush()
+            self.drop(connection)
 
     # ---- connections -----------------------------------------------------------------------
 
-    def add_connection(self, sock: socket.socket) -> Connection:
+    def add_connection(self, sock: socket.socket, peer: Peer | None = None) -> Connection:
         connection = Connection(
-            sock, self.config.max_frame_bytes, self.config.max_output_bytes, self.refresh
+            sock, self.config.max_frame_bytes, self.config.max_output_bytes, self.refresh,
+            pool=self.input_pool, peer=peer, events=self.events,
         )
         self.connections[sock.fileno()] = connection
-        connection.watched = selectors.EVENT_READ
+        if peer is not None:
+            self.seats.take(peer)
         connection.handler = functools.partial(self.on_connection_event, connection)
-        self.selector.register(sock, connection.watched, connection.handler)
+        self.refresh(connection)
         return connection
 
     def on_connection_event(self, connection: Connection, events: int) -> None:
         if events & selectors.EVENT_WRITE:
             connection.flush()
-        if events & selectors.EVENT_READ:
-            for frame in connection.receive():
-                if isinstance(frame, int):
-                    self.requests[f"none:error_{TOO_LARGE}"] += 1
-                    connection.send(error_reply(
-                        None, TOO_LARGE, f"frame of {frame} bytes exceeds the limit of "
-                        f"{connection.frames.max_frame_bytes}",
-                    ))
-                else:
-                    self.on_frame(connection, frame)
+        if events & selectors.EVENT_READ and connection.wants_input():
+            connection.fill()
+        self.serve(connection)
         self.refresh(connection)
+
+    def serve(self, connection: Connection) -> None:
+        """Hand on every whole frame buffered (until its client is backlogged), then
+        settle what the connection may read next."""
+        took = False
+        output, most = connection.output, connection.max_output_bytes  # (kept flat: per frame)
+        for frame in connection.frames.take():
+            took = True
+            connection.owed += 1
+            payload = frame.payload
+            if payload is None:
+                self.requests[f"none:error_{TOO_LARGE}"] += 1
+                connection.send(error_reply(
+                    None, TOO_LARGE, f"frame of {frame.skipped_bytes} bytes exceeds the limit "
+                    f"of {connection.frames.max_frame_bytes}",
+                ))
+            else:
+                self.on_frame(connection, payload)
+            if len(output) > most or connection.closed or connection.broken:
+                break  # backlogged: the rest stays buffered until its client reads
+        if took:
+            connection.activity += 1
+        for woken in connection.settle_input(took):
+            self.refresh(woken)
 
     def refresh(self, connection: Connection) -> None:
         """Drop a connection that broke or closed; else watch what it needs now (a
@@ -372,29 +338,75 @@ class Server:
             self.drop(connection)
             return
         wanted = connection.wanted_events()
-        if wanted != connection.watched:
-            connection.watched = wanted
+        if wanted == connection.watched:
+            return
+        if not wanted:
+            self.selector.unregister(connection.sock)
+        elif not connection.watched:
+            self.selector.register(connection.sock, wanted, connection.handler)
+        else:
             self.selector.modify(connection.sock, wanted, connection.handler)
+        connection.watched = wanted
 
     def drop(self, connection: Connection) -> None:
         fd = connection.fileno()
         if fd >= 0 and self.connections.get(fd) is connection:
             del self.connections[fd]
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(connection.sock)
+            if connection.watched:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(connection.sock)
+            connection.watched = 0
+            if connection.peer is not None:
+                self.seats.give_back(connection.peer)
         connection.close()
+        for woken in self.input_pool.give_back(connection):
+            self.refresh(woken)
 
     def drop_all(self) -> None:
         for connection in list(self.connections.values()):
             self.drop(connection)
+
+    def sweep(self, now: float) -> None:
+        """Close connections idle past idle_timeout, or slow past frame_timeout."""
+        idle, slow = self.config.idle_timeout, self.config.frame_timeout
+        for connection in list(self.connections.values()):
+            since = connection.partial_since
+            if slow and since is not None and now - since > slow:
+                self.events["connections_closed_slow"] += 1
+                log.debug("closed a connection whose frame stayed unfinished for %.0f s", slow)
+                self.drop(connection)
+            elif idle and now - (connection.idle_since(now) or now) > idle:
+                self.events["connections_closed_idle"] += 1
+                self.drop(connection)
 
     def unsent(self) -> bool:
         """Replies still waiting to go out to a live client (the drain flushes them)."""
         return any(c.output for c in self.connections.values() if not c.broken)
 
     def apply(self, config: Config) -> None:
-        """A reload: new limits for every connection; allowed peers re-read on next accept."""
+        """A reload: new limits for every connection; allowed peers re-checked now."""
         self.config = config
         self.peer_policy = None
+        self.input_pool.limit = config.max_input_buffer_bytes
         for connection in self.connections.values():
             connection.set_limits(config.max_frame_bytes, config.max_output_bytes)
+        self.revoke_peers()
+        for woken in self.input_pool.serve():
+            self.refresh(woken)
+
+
+def refuse(sock: socket.socket, code: str, message: str) -> None:
+    """One error reply, best effort (the kernel's buffer takes it), then closed."""
+    with contextlib.suppress(OSError):
+        sock.send(encode_frame(error_reply(None, code, message)))
+    sock.close()
+
+
+def ensure_fd_room(wanted: int) -> None:
+    """Raise the soft RLIMIT_NOFILE towards the hard one, so that the connection caps
+    (and not EMFILE, which refuses root too) decide who gets a connection."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -13,10 +13,19 @@ import time
 import psutil
 
 import kvprefetchd
-from kvprefetch.stats import FileCounts, ProcessFigures, RootStats, Stats, WorkerStats
+from kvprefetch.stats import (
+    BoundStats,
+    FileCounts,
+    ProcessFigures,
+    RootStats,
+    Stats,
+    WorkerStats,
+)
 from kvprefetchd.books import Books
+from kvprefetchd.connection import FREE_INPUT_BYTES
 from kvprefetchd.kvservice import KVService
 from kvprefetchd.ops import Ops
+from kvprefetchd.peers import PRIVILEGED_RESERVE
 from kvprefetchd.pool import WorkerHandle, WorkerPool
 from kvprefetchd.residency import RootRule
 from kvprefetchd.server import Server
@@ -60,9 +69,31 @@ def build_stats(
         "workers_killed_wedged": pool.killed_wedged,
         "supervisor": {"pid": os.getpid(), **process_figures(os.getpid())},
         "connections": len(server.connections),
+        "bounds": bounds(ops, pool, server, kv),
         "roots": [root_stats(rule) for rule in rules],
         "workers": [worker_stats(handle, pool) for handle in pool.workers if handle],
     }
+
+
+def bounds(ops: Ops, pool: WorkerPool, server: Server, kv: KVService) -> dict[str, BoundStats]:
+    """Every bounded buffer and per-key map of the supervisor, by name: size and limit."""
+    config = server.config
+    slots = config.max_connections + PRIVILEGED_RESERVE
+    connections = server.connections.values()
+    # A deadline entry per open waiter, and as many again answered early (ops.py); there
+    # are at most as many open waiters as files in flight.
+    open_waiters = pool.config.queue_limit * pool.config.worker_count
+    figures = {
+        "connections": (len(server.connections), slots),
+        "input_pool_bytes": (server.input_pool.granted, server.input_pool.limit),
+        "input_bytes": (sum(c.frames.buffered for c in connections),
+                        server.input_pool.limit + FREE_INPUT_BYTES * slots),
+        "output_bytes": (sum(len(c.output) for c in connections),
+                         2 * config.max_output_bytes * slots),
+        "deadlines": (ops.deadlines, 2 * open_waiters + 64),
+        **kv.bounds(),
+    }
+    return {name: {"size": size, "limit": limit} for name, (size, limit) in figures.items()}
 
 
 def file_counts(books: Books) -> FileCounts:

@@ -65,6 +65,7 @@ class WorkerPlan:
     engine_settings: EngineSettings
     dedup_ttl: float
     dedup_entries: int
+    dedup_bytes: int = 16 << 20
     nice: int = 0
 
     @property
@@ -124,7 +125,8 @@ class Worker:
         self.poller.register(sock.fileno(), select.POLLIN)
         self.watched: set[int] = set()  # engine fds in the poller
         self.root_fds = [_open_root(root) for root in plan.roots]
-        self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries)
+        self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
+                                     budget_bytes=plan.dedup_bytes)
         self.in_flight = InFlight()
         self.pending: dict[str, deque[WarmItem]] = {plan.warm_mode: deque()}  # per warm mode
         self.outcomes: list[list[Any]] = []  # [ticket, outcome, bytes] of waiting requests

@@ -61,6 +61,15 @@ def realistic_stats() -> Stats:
         "workers_killed_wedged": 1,
         "supervisor": {"pid": 100, "rss_bytes": 25_000_000, "cpu_seconds": 0.25, "open_fds": 13},
         "connections": 2,
+        "bounds": {
+            "connections": {"size": 2, "limit": 1040},
+            "input_pool_bytes": {"size": 0, "limit": 33554432},
+            "input_bytes": {"size": 120, "limit": 101711872},
+            "output_bytes": {"size": 0, "limit": 17448304640},
+            "deadlines": {"size": 1, "limit": 32832},
+            "stale_profiles": {"size": 1, "limit": 1024},
+            "discovered_fingerprints": {"size": 0, "limit": 1024},
+        },
         "roots": [{"root": "/mnt/kv", "fstype": "gpfs", "rule": "tier", "why": "..."}],
         "workers": [
             {"rss_bytes": 18_000_000, "cpu_seconds": 1.5, "open_fds": 6, "index": 0,

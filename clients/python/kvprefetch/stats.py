@@ -99,6 +99,14 @@ class RootStats(TypedDict):
     why: str
 
 
+class BoundStats(TypedDict):
+    """One bounded buffer or per-key map of the supervisor: what it holds now, and the most
+    it may (docs/protocol.md lists each by name)."""
+
+    size: int
+    limit: int
+
+
 class Stats(TypedDict):
     uptime_s: float
     version: str
@@ -107,7 +115,8 @@ class Stats(TypedDict):
     # "op:ok" or "op:error_CODE" -> count; op "none" for frames that never parsed.
     requests: dict[str, int]
     # Other counted events: reloads, reload_refused, connections_refused, peers_forbidden,
-    # accept_paused.
+    # peers_revoked, connections_closed_idle, connections_closed_slow, input_waits,
+    # replies_too_large, accept_paused.
     events: dict[str, int]
     files: FileCounts
     bytes_read: int
@@ -117,5 +126,8 @@ class Stats(TypedDict):
     workers_killed_wedged: int
     supervisor: SupervisorStats
     connections: int
+    # Name -> its size and limit: connections, input_pool_bytes, input_bytes, output_bytes,
+    # deadlines, stale_profiles, discovered_fingerprints.
+    bounds: dict[str, BoundStats]
     roots: list[RootStats]
     workers: list[WorkerStats]

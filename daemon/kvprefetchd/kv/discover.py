@@ -18,6 +18,7 @@ import json
 import os
 import re
 import stat
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -271,6 +272,10 @@ class _Watch:
     siblings: list[Candidate] = field(default_factory=list)
 
 
+# Sibling folders kept per watched profile: the likeliest first; the rest is noise in `stats`.
+MAX_SIBLINGS = 8
+
+
 class StaleDetector:
     """Per profile: are its files consistently missing while sibling folders exist?
 
@@ -279,13 +284,33 @@ class StaleDetector:
     `record` answers True, a fresh `scan(profile)`. `report()` goes into `stats`.
     A cold deployment also misses everything, so a profile is called stale only when
     another fingerprint folder of the same model exists.
+
+    At most `capacity` profiles are watched, the least recently fed forgotten first:
+    every inline fingerprint is a profile of its own, and a client can send any number
+    (125,000 of them grew the supervisor by 65 MiB and `stats` to 18 MB).
     """
 
-    def __init__(self, *, streak: int = 256) -> None:
+    def __init__(self, *, streak: int = 256, capacity: int = 1024) -> None:
         if streak < 1:
             raise ValueError("streak must be >= 1")
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
         self.threshold = streak
-        self._watches: dict[str, _Watch] = {}
+        self.capacity = capacity
+        self.forgotten = 0  # watches dropped to stay within capacity
+        self._watches: OrderedDict[str, _Watch] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._watches)
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._shrink()
+
+    def _shrink(self) -> None:
+        while len(self._watches) > self.capacity:
+            self._watches.popitem(last=False)
+            self.forgotten += 1
 
     def record(self, profile: str, fingerprint: str, *, missing: int, present: int) -> bool:
         """Count one batch of outcomes. True: scan the folders now and call `observe`
@@ -293,6 +318,8 @@ class StaleDetector:
         watch = self._watches.get(profile)
         if watch is None or watch.fingerprint != fingerprint:
             watch = self._watches[profile] = _Watch(fingerprint, next_scan_at=self.threshold)
+        self._watches.move_to_end(profile)
+        self._shrink()
         watch.missing += missing
         watch.present += present
         if present:
@@ -321,7 +348,7 @@ class StaleDetector:
         # most likely first: config.json agrees, then unknown, then differs; newest first
         others.sort(key=lambda c: (0 if c.agrees else 1 if c.differences is None else 2,
                                    -c.mtime_ns, c.fingerprint))
-        watch.siblings = others
+        watch.siblings = others[:MAX_SIBLINGS]
 
     def stale(self, profile: str) -> bool:
         watch = self._watches.get(profile)

@@ -86,7 +86,14 @@ def file_block_indices(num_hashes: int, factor: int) -> range:
 def ranks(tp_size: int, pp_size: int, pcp_size: int, *, parallel_agnostic: bool = False) -> range:
     """Every rank that writes files: world = tp*pp*pcp (dcp adds none); one when the
     layout is parallel-agnostic."""
-    return range(1 if parallel_agnostic else tp_size * pp_size * pcp_size)
+    return range(rank_count(tp_size, pp_size, pcp_size, parallel_agnostic=parallel_agnostic))
+
+
+def rank_count(tp_size: int, pp_size: int, pcp_size: int, *, parallel_agnostic: bool = False
+               ) -> int:
+    """How many ranks write files: plain integer arithmetic, so a product beyond 2**63
+    is just a large number for the caller's bound to refuse (len(range) would overflow)."""
+    return 1 if parallel_agnostic else tp_size * pp_size * pcp_size
 
 
 def count_files(
@@ -95,6 +102,18 @@ def count_files(
     """How many paths `plan_paths` yields at most (before de-duplication)."""
     counts = list(hashes_per_prompt)
     return rank_count * sum(n // f for f in factors for n in counts)
+
+
+# A path's bytes beyond its base: "_r" RANK "/" h[0:3] "/" h[3:5] "_g" GROUP "/" h ".bin",
+# with h the 64 hex digits of a 32-byte hash (the digits of RANK and GROUP come on top).
+PATH_TAIL_BYTES = 2 + 1 + 3 + 1 + 2 + 2 + 1 + 64 + 4
+
+
+def plan_bytes(base_bytes: int, files: int, rank_count: int, groups: int) -> int:
+    """An upper bound of the bytes of `files` paths under a base of `base_bytes`: what a
+    request would make the supervisor build, known before any hash is computed."""
+    digits = len(str(max(rank_count - 1, 0))) + len(str(max(groups - 1, 0)))
+    return files * (base_bytes + PATH_TAIL_BYTES + digits)
 
 
 def plan_paths(
@@ -107,22 +126,23 @@ def plan_paths(
 
     Each prompt's chain is selected on its own (selection over concatenated prompts
     would misalign every prompt after the first, §6.5.4). A path two prompts share
-    (a common prefix) is listed once, where it first appears.
+    (a common prefix) is listed once, where it first appears. The part below the rank
+    folder is the same for every rank, so it is built once: the cost is the paths
+    returned, and a request that names no file costs nothing per rank.
     """
-    hexes = [[h.hex() for h in chain] for chain in hashes_per_prompt]
+    tails: dict[str, None] = {}  # insertion-ordered, each once
+    for group, factor in enumerate(factors):
+        suffix = f"_g{group}/"
+        for chain in hashes_per_prompt:
+            for index in range(factor - 1, len(chain), factor):
+                h = chain[index].hex()
+                tails[f"{h[0:3]}/{h[3:5]}{suffix}{h}.bin"] = None
+    if not tails:
+        return []
     paths: list[str] = []
-    seen: set[str] = set()
     for rank in rank_range:
         folder = f"{base}_r{rank}/"
-        for group, factor in enumerate(factors):
-            suffix = f"_g{group}/"
-            for chain in hexes:
-                for index in range(factor - 1, len(chain), factor):
-                    h = chain[index]
-                    path = f"{folder}{h[0:3]}/{h[3:5]}{suffix}{h}.bin"
-                    if path not in seen:
-                        seen.add(path)
-                        paths.append(path)
+        paths.extend([folder + tail for tail in tails])
     return paths
 
 

@@ -38,13 +38,14 @@ from kvprefetchd.kv.specs import (
     HashSpec,
     KVCacheGroup,
     LayoutSpec,
+    ProfileBounds,
     as_mapping,
     read_hash_spec,
     read_layout_spec,
     refuse_unknown,
 )
 
-__all__ = ["DISCOVER", "HashSpec", "KVCacheGroup", "LayoutSpec", "Profile"]
+__all__ = ["DISCOVER", "HashSpec", "KVCacheGroup", "LayoutSpec", "Profile", "ProfileBounds"]
 
 
 @dataclass(frozen=True)
@@ -97,30 +98,35 @@ class Profile:
     @classmethod
     def from_parts(
         cls, name: str, hash_map: Any, layout_map: Any, *, prefix: str = "",
-        strict: bool = False,
+        strict: bool = False, bounds: ProfileBounds | None = None,
     ) -> Profile:
-        """From separate hash and layout maps (an inline KV request uses this)."""
+        """From separate hash and layout maps (an inline KV request uses this, with the
+        daemon's `bounds`: beyond them it is `too_large` before anything is derived)."""
         return cls.build(
             name,
             read_hash_spec(hash_map, f"{prefix}hash", strict),
-            read_layout_spec(layout_map, f"{prefix}layout", strict),
+            read_layout_spec(layout_map, f"{prefix}layout", strict, bounds),
             prefix=prefix,
+            bounds=bounds,
         )
 
     @classmethod
     def build(
-        cls, name: str, hash_spec: HashSpec, layout_spec: LayoutSpec, *, prefix: str = ""
+        cls, name: str, hash_spec: HashSpec, layout_spec: LayoutSpec, *, prefix: str = "",
+        bounds: ProfileBounds | None = None,
     ) -> Profile:
         """Derive and cross-check everything the two specs imply."""
         try:
-            return cls._derive(name, hash_spec, layout_spec, prefix)
+            return cls._derive(name, hash_spec, layout_spec, prefix, bounds)
         except ValueError as error:
             if isinstance(error, ProfileError):
                 raise
             raise ProfileError(f"{prefix}{error}") from None
 
     @classmethod
-    def _derive(cls, name: str, hs: HashSpec, ls: LayoutSpec, prefix: str) -> Profile:
+    def _derive(
+        cls, name: str, hs: HashSpec, ls: LayoutSpec, prefix: str, bounds: ProfileBounds | None
+    ) -> Profile:
         positive = {"hash.block_size": hs.block_size, "layout.tp_size": ls.tp_size,
                     "layout.pp_size": ls.pp_size, "layout.pcp_size": ls.pcp_size,
                     "layout.dcp_size": ls.dcp_size,
@@ -132,6 +138,11 @@ class Profile:
                 raise ProfileError(f"{prefix}{key}: must be a positive integer, got {value}")
         if not ls.kv_cache_groups:
             raise ProfileError(f"{prefix}layout.kv_cache_groups: must not be empty")
+        rank_count = layout.rank_count(
+            ls.tp_size, ls.pp_size, ls.pcp_size, parallel_agnostic=ls.parallel_agnostic
+        )
+        if bounds is not None:
+            _check_bounds(ls, rank_count, bounds, prefix)
         version = None
         if hs.vllm_version is not None:
             try:
@@ -158,9 +169,6 @@ class Profile:
             sizes, hash_block_size=h, blocks_per_file=per_file, dcp_size=ls.dcp_size,
             pcp_size=ls.pcp_size,
         )
-        rank_count = len(layout.ranks(
-            ls.tp_size, ls.pp_size, ls.pcp_size, parallel_agnostic=ls.parallel_agnostic
-        ))
         field_set = ls.fingerprint_field_set or layout.field_set_for(version)
         none_hash = seed_problem = None
         try:
@@ -243,6 +251,27 @@ class Profile:
             return layout.fingerprint_of_json(self.layout.fingerprint_fields_json)
         fields = self.fingerprint_fields()
         return layout.fingerprint_of(fields) if fields is not None else None
+
+
+def _check_bounds(ls: LayoutSpec, rank_count: int, bounds: ProfileBounds, prefix: str) -> None:
+    """Every size within max_ranks (dcp too: it must divide tp), and the world they make."""
+    for key in ("tp_size", "pp_size", "pcp_size", "dcp_size"):
+        value = getattr(ls, key)
+        if value > bounds.max_ranks:
+            raise ProfileError(
+                f"{prefix}layout.{key}: {value}, above the limit of {bounds.max_ranks} ranks "
+                "(max_ranks)", code="too_large",
+            )
+    if rank_count > bounds.max_ranks:
+        raise ProfileError(
+            f"{prefix}layout: tp_size x pp_size x pcp_size is {rank_count} ranks, above the "
+            f"limit of {bounds.max_ranks} (max_ranks)", code="too_large",
+        )
+    if len(ls.kv_cache_groups) > bounds.max_kv_cache_groups:
+        raise ProfileError(
+            f"{prefix}layout.kv_cache_groups: {len(ls.kv_cache_groups)} groups, above the "
+            f"limit of {bounds.max_kv_cache_groups} (max_kv_cache_groups)", code="too_large",
+        )
 
 
 def _choose_fingerprint(profile: Profile, prefix: str) -> str | None:

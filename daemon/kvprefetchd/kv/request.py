@@ -23,7 +23,7 @@ from typing import Any
 from kvprefetchd.kv import layout
 from kvprefetchd.kv.errors import KVRequestError
 from kvprefetchd.kv.hashing import BlockExtra, ExtraKey, LoRA, MMFeature, Prompt
-from kvprefetchd.kv.profile import Profile
+from kvprefetchd.kv.profile import Profile, ProfileBounds
 from kvprefetchd.kv.specs import FINGERPRINT_RE
 
 BLOCK_HASH_BYTES = 32  # sha256 and sha256_cbor
@@ -35,22 +35,37 @@ PROMPT_SOURCES = ("prompts", "block_hashes", "request", "token_ids")
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on one KV request; a request beyond them is refused as `too_large`."""
+    """Bounds on one KV request, every one checked before any hash or path is computed;
+    a request beyond them is refused as `too_large`, naming the limit."""
 
     max_prompts: int = 64
     max_tokens: int = 1 << 20  # over all prompts of the request
-    max_block_hashes: int = 1 << 16  # over all prompts of a block_hashes request
+    # Block hashes named, or to compute (inline block_size = 1: a sha256 step per token).
+    max_block_hashes: int = 1 << 16
     max_mm_features: int = 4096  # per prompt
     max_files: int = 1 << 18  # paths the request may map to
+    max_plan_bytes: int = 32 << 20  # the bytes of those paths (an upper bound)
+    max_ranks: int = 1024  # an inline layout's tp x pp x pcp (and each of them)
+    max_kv_cache_groups: int = 64  # an inline layout's groups
+
+    @property
+    def profile_bounds(self) -> ProfileBounds:
+        return ProfileBounds(max_ranks=self.max_ranks,
+                             max_kv_cache_groups=self.max_kv_cache_groups)
 
 
 @dataclass(frozen=True)
 class KVRequest:
-    """A validated KV request: exactly one of `prompts` and `block_hashes` is set."""
+    """A validated KV request: exactly one of `prompts` and `block_hashes` is set. What
+    resolving it costs is known before it starts: `blocks` (block hashes), `files` (paths
+    before de-duplication) and `plan_bytes` (an upper bound of their bytes)."""
 
     profile: Profile
     prompts: tuple[Prompt, ...] | None = None
     block_hashes: tuple[tuple[bytes, ...], ...] | None = None
+    blocks: int = 0
+    files: int = 0
+    plan_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,7 @@ def parse_kv_request(
     inline hash/layout maps (a daemon may; `resolve` should always allow them).
     Raises KVRequestError naming the field; bounds exceeded carry code "too_large".
     """
-    profile = _profile(message, profiles, allow_inline)
+    profile = _profile(message, profiles, allow_inline, limits)
     sources = [key for key in PROMPT_SOURCES if message.get(key) is not None]
     if len(sources) != 1:
         raise KVRequestError(
@@ -93,8 +108,8 @@ def parse_kv_request(
         )
     if sources[0] == "block_hashes":
         chains = _block_hashes(message["block_hashes"], limits)
-        _check_files(profile, [len(chain) for chain in chains], limits)
-        return KVRequest(profile=profile, block_hashes=chains)
+        cost = _cost(profile, [len(chain) for chain in chains], limits)
+        return KVRequest(profile, None, chains, *cost)
     if sources[0] == "prompts":
         raw = message["prompts"]
         if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
@@ -111,8 +126,8 @@ def parse_kv_request(
         where = "request" if sources[0] == "request" else "token_ids"
         _check_tokens([single], limits)
         prompts = (_prompt(single, where, message, profile, limits),)
-    _check_files(profile, [len(p.token_ids) // profile.hash_block_size for p in prompts], limits)
-    return KVRequest(profile=profile, prompts=prompts)
+    cost = _cost(profile, [len(p.token_ids) // profile.hash_block_size for p in prompts], limits)
+    return KVRequest(profile, prompts, None, *cost)
 
 
 def resolve(request: KVRequest, *, fingerprint: str | None = None) -> Resolution:
@@ -135,14 +150,15 @@ def resolve(request: KVRequest, *, fingerprint: str | None = None) -> Resolution
         assert request.prompts is not None
         chains = tuple(profile.hash_prompt(prompt) for prompt in request.prompts)
     base = profile.base_path(chosen)
-    paths = layout.plan_paths(base, profile.ranks, profile.group_factors, chains)
+    paths = layout.plan_paths(base, range(profile.rank_count), profile.group_factors, chains)
     return Resolution(fingerprint=chosen, base_path=base, block_hashes=chains, paths=paths)
 
 
 # --- the profile --------------------------------------------------------------------------
 
 def _profile(
-    message: Mapping[str, Any], profiles: Mapping[str, Profile], allow_inline: bool
+    message: Mapping[str, Any], profiles: Mapping[str, Profile], allow_inline: bool,
+    limits: Limits,
 ) -> Profile:
     name = message.get("model")
     inline = message.get("hash") is not None
@@ -168,7 +184,8 @@ def _profile(
         layout_map = message  # the vectors' shape: layout keys beside the prompt
     if layout_map is None:
         raise KVRequestError("layout: missing (a map beside hash, or name a configured model)")
-    return Profile.from_parts("inline", message["hash"], layout_map)
+    return Profile.from_parts("inline", message["hash"], layout_map,
+                              bounds=limits.profile_bounds)
 
 
 def _check_tokens(prompts: Sequence[Any], limits: Limits) -> None:
@@ -194,7 +211,14 @@ def _at_most(count: int, limit: int, where: str, what: str) -> None:
         )
 
 
-def _check_files(profile: Profile, hashes_per_prompt: list[int], limits: Limits) -> None:
+def _cost(profile: Profile, hashes_per_prompt: list[int], limits: Limits) -> tuple[int, int, int]:
+    """What resolving costs, refused beyond the limits: (blocks, files, plan bytes)."""
+    blocks = sum(hashes_per_prompt)
+    if blocks > limits.max_block_hashes:
+        raise KVRequestError(
+            f"the request holds {blocks} full blocks of {profile.hash_block_size} tokens to "
+            f"hash, above the limit of {limits.max_block_hashes} (max_blocks)", code="too_large",
+        )
     files = layout.count_files(hashes_per_prompt, profile.group_factors, profile.rank_count)
     if files > limits.max_files:
         raise KVRequestError(
@@ -202,6 +226,15 @@ def _check_files(profile: Profile, hashes_per_prompt: list[int], limits: Limits)
             f"{len(profile.group_factors)} groups), above the limit of {limits.max_files}",
             code="too_large",
         )
+    ls = profile.layout
+    base_bytes = len(layout.base_path(ls.root_dir, ls.model_name, "0" * 12).encode())
+    size = layout.plan_bytes(base_bytes, files, profile.rank_count, len(profile.group_factors))
+    if size > limits.max_plan_bytes:
+        raise KVRequestError(
+            f"the request's {files} paths would take about {size} bytes, above the limit of "
+            f"{limits.max_plan_bytes} (max_kv_path_bytes)", code="too_large",
+        )
+    return blocks, files, size
 
 
 # --- prompts --------------------------------------------------------------------------

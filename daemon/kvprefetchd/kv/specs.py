@@ -32,6 +32,19 @@ GROUP_KEYS = frozenset({"block_size", "layer_names"})
 
 
 @dataclass(frozen=True)
+class ProfileBounds:
+    """What a profile may ask of the supervisor, checked before anything is derived from
+    it: an inline layout is the client's, and its sizes multiply every request's work
+    (ranks x groups paths per named block; 2**40 ranks pinned the supervisor for good)."""
+
+    max_ranks: int
+    max_kv_cache_groups: int
+    # Layer names plus fingerprint_fields elements: hashed into the fingerprint as JSON
+    # (2 million names cost 0.5 s); a real model has one name per layer, a few hundred.
+    max_layout_items: int = 16384
+
+
+@dataclass(frozen=True)
 class HashSpec:
     algo: str
     python_hash_seed: str | None
@@ -166,7 +179,9 @@ def _possible_seed(seed: str) -> bool:
     return seed.isascii() and seed.isdigit() and int(seed) <= 0xFFFF_FFFF
 
 
-def read_layout_spec(data: Any, where: str, strict: bool) -> LayoutSpec:
+def read_layout_spec(
+    data: Any, where: str, strict: bool, bounds: ProfileBounds | None = None
+) -> LayoutSpec:
     data = as_mapping(data, where)
     if strict:
         refuse_unknown(data, LAYOUT_KEYS, f"{where}.")
@@ -175,7 +190,10 @@ def read_layout_spec(data: Any, where: str, strict: bool) -> LayoutSpec:
     assert root_dir is not None and model_name is not None
     if not root_dir.startswith("/"):
         raise ProfileError(f"{where}.root_dir: must be an absolute path, got {root_dir!r}")
-    groups = _groups(data.get("kv_cache_groups"), f"{where}.kv_cache_groups", strict)
+    raw_groups = data.get("kv_cache_groups")
+    if bounds is not None:
+        _check_layout_size(data, raw_groups, bounds, where)
+    groups = _groups(raw_groups, f"{where}.kv_cache_groups", strict)
     dtype = _str(data, "dtype", where) or "auto"
     dtype = dtype.removeprefix("torch.")  # str(torch.bfloat16) minus "torch.", §5.3
     fingerprint = _str(data, "fingerprint", where)
@@ -222,6 +240,44 @@ def read_layout_spec(data: Any, where: str, strict: bool) -> LayoutSpec:
         canonical_format=canonical_format,
         **sizes,
     )
+
+
+def _check_layout_size(
+    data: Mapping[str, Any], raw_groups: Any, bounds: ProfileBounds, where: str
+) -> None:
+    """Groups, layer names and fingerprint fields within bounds, counted before any is read."""
+    if not isinstance(raw_groups, list | tuple):
+        return  # _groups says what is wrong with it
+    if len(raw_groups) > bounds.max_kv_cache_groups:
+        raise ProfileError(
+            f"{where}.kv_cache_groups: {len(raw_groups)} groups, above the limit of "
+            f"{bounds.max_kv_cache_groups} (max_kv_cache_groups)", code="too_large",
+        )
+    items = 0
+    for group in raw_groups:
+        names = group.get("layer_names") if isinstance(group, Mapping) else None
+        items += len(names) if isinstance(names, list | tuple) else 0
+    items += count_items(data.get("fingerprint_fields"), bounds.max_layout_items - items + 1)
+    if items > bounds.max_layout_items:
+        raise ProfileError(
+            f"{where}: more than {bounds.max_layout_items} layer names and fingerprint_fields "
+            "elements in an inline layout", code="too_large",
+        )
+
+
+def count_items(value: Any, stop_at: int) -> int:
+    """Elements and entries in a JSON-like value, counted up to `stop_at` (no further)."""
+    count = 0
+    pending = [value]
+    while pending and count < stop_at:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            count += len(item)
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            count += len(item)
+            pending.extend(item)
+    return count
 
 
 def _groups(value: Any, where: str, strict: bool) -> tuple[KVCacheGroup, ...]:
