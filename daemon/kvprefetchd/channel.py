@@ -6,6 +6,8 @@ envelope: both ends are ours. Each message is a small class; on the wire it is t
 order, so neither side indexes a message by position.
 
   supervisor -> worker   Warm: files to warm, in one warm mode, to one depth
+                         Root: a root opened since the worker started; its directory fd
+                         travels with the message (SCM_RIGHTS)
   worker -> supervisor   Ready (booted, with its engine), BootFailed (why it cannot boot),
                          Done (outcomes since the last Done: the worker's heartbeat)
 
@@ -20,6 +22,7 @@ import errno
 import os
 import select
 import socket
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,6 +32,7 @@ from kvprefetchd.protocol import HEADER, FrameReader
 
 # A worker batch of 10^5 long paths stays well below this; anything larger is a bug.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+MAX_FDS = 16  # fds one read may carry: Root messages are rare and one fd each
 
 # [ticket, root_index, relative path bytes]; ticket 0: a fire-and-forget file.
 WarmEntry = list[Any]
@@ -44,6 +48,17 @@ class Warm:
     read_bytes: int
     warm_mode: str
     entries: list[WarmEntry]
+
+
+@dataclass(slots=True)
+class Root:
+    """A root that opened after the worker was forked: `fd` is the one passed with the
+    message (SCM_RIGHTS), -1 on the wire; `rule` its KVP_RES_* code."""
+
+    KIND: ClassVar[str] = "root"
+    index: int
+    rule: int
+    fd: int = -1
 
 
 @dataclass(slots=True)
@@ -77,12 +92,16 @@ class Done:
     latency_sum: float = 0.0
 
 
-Message = Warm | Ready | BootFailed | Done
-_KINDS: dict[str, type[Message]] = {kind.KIND: kind for kind in (Warm, Ready, BootFailed, Done)}
+Message = Warm | Root | Ready | BootFailed | Done
+_KINDS: dict[str, type[Message]] = {
+    kind.KIND: kind for kind in (Warm, Root, Ready, BootFailed, Done)
+}
 
 
 def encode(message: Message) -> bytes:
     fields = [getattr(message, name) for name in message.__slots__]  # declaration order
+    if isinstance(message, Root):
+        fields[-1] = -1  # the fd itself goes beside the bytes (SCM_RIGHTS)
     body: bytes = msgpack.packb([message.KIND, *fields], use_bin_type=True)
     return HEADER.pack(len(body)) + body
 
@@ -103,13 +122,15 @@ class ChannelReader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._frames = FrameReader(MAX_MESSAGE_BYTES)
+        self._fds: deque[int] = deque()  # passed fds, for the Root messages they came with
         self.closed = False
 
     def read_available(self) -> list[Message]:
         messages: list[Message] = []
         while True:
             try:
-                data = self.sock.recv(1 << 20)
+                data, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, MAX_FDS)
+                self._fds.extend(fds)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as error:
@@ -122,8 +143,17 @@ class ChannelReader:
                 break
             for frame in self._frames.feed(data):
                 if frame.payload is not None:
-                    messages.append(decode(frame.payload))
+                    message = decode(frame.payload)
+                    if isinstance(message, Root):
+                        message.fd = self._fds.popleft() if self._fds else -1
+                    messages.append(message)
         return messages
+
+
+def send_with_fd(sock: socket.socket, data: bytes, fd: int) -> int:
+    """Send the start of `data` with `fd` beside it (SCM_RIGHTS); the bytes sent. The
+    fd goes with the first byte, so the reader pairs it with the message those start."""
+    return socket.send_fds(sock, [data], [fd])
 
 
 def send_all_blocking(sock: socket.socket, message: Message) -> None:

@@ -78,6 +78,14 @@ class Config:
     initial_depth: int = 16
     max_in_flight: int = 512
     file_timeout: float = 60.0
+    # Roots: refuse one whose path another user could swap (roots.py; false accepts it),
+    # and how long the scout may take over a file-system task (opening a root, KV
+    # discovery) before it is presumed stuck and replaced, the task failing.
+    root_path_checks: bool = True
+    fs_timeout: float = 10.0
+    # Killed workers stuck in the kernel (a tier that never answers) at most: past this
+    # a dead worker's shard is not respawned until one of them exits.
+    max_stuck_workers: int = 8
     fadv_random: bool = True
     batch_files: int = 256
     max_open_files: int = 1024
@@ -135,6 +143,7 @@ _INT_KEYS = {
     "chunk_bytes": (4 * KIB, 64 * MIB),
     "queue_depth": (1, 4096),
     "pread_threads": (1, 256),
+    "max_stuck_workers": (1, 1024),
     "initial_depth": (1, 4096),
     "max_in_flight": (1, 4096),
     "batch_files": (1, 65536),
@@ -168,6 +177,7 @@ _SECONDS_KEYS = {
     # Below 1 s a healthy batch on a slow tier would look wedged.
     "worker_timeout": (1.0, 3600.0),
     "file_timeout": (0.1, 86400.0),
+    "fs_timeout": (0.1, 3600.0),
     "idle_timeout": (1.0, 86400.0),
     "frame_timeout": (1.0, 3600.0),
 }
@@ -223,7 +233,7 @@ def _check(key: str, value: Any) -> Any:
                 raise ConfigError(f"residency_by_root.{root}: {rule!r} is not a residency rule")
             rules[os.path.normpath(root)] = rule
         return rules
-    if key in ("fadv_random", "allow_inline_layouts"):
+    if key in ("fadv_random", "allow_inline_layouts", "root_path_checks"):
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false")
         return value
@@ -316,7 +326,8 @@ def check_profiles(config: Config, note: str) -> None:
 RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
-    "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "dedup_ttl_ms",
+    "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "root_path_checks",
+    "dedup_ttl_ms",
     "dedup_entries", "dedup_bytes", "worker_nice", "metrics", "model_warm_modes",
 })
 

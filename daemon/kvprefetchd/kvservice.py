@@ -4,6 +4,12 @@
 the configured model profiles, the fingerprints discovered on disk (a directory
 listing is paid once per profile, not once per request), and the detector that
 notices when a profile's files are all missing while a sibling fingerprint exists.
+
+Listing a directory is a file-system touch, which the supervisor never makes itself:
+discovery and the stale scan are the scout's tasks (scout.py). A request that needs a
+fingerprint not yet known is parked (DiscoveryPending) and run again when the scout
+answers; an answer that is an error, or no answer in time, is remembered a few
+seconds, so a hung root costs one task per NEGATIVE_SECONDS, not one per request.
 """
 
 from __future__ import annotations
@@ -12,19 +18,32 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvprefetch.stats import KVStats
 from kvprefetchd import kv
 from kvprefetchd.config import Config
-from kvprefetchd.protocol import BAD_REQUEST, TOO_LARGE, RequestError
+from kvprefetchd.protocol import BAD_REQUEST, OVERLOADED, TOO_LARGE, RequestError
+from kvprefetchd.scout import Discover, Failed, Scan, Scout, beneath, not_beneath
 
 log = logging.getLogger("kvprefetchd.kv")
 
 # A discovered fingerprint is looked up again after this long, so a model
 # redeployed with a new fingerprint is picked up without a restart.
 REDISCOVER_SECONDS = 60.0
+# A discovery that failed (or got no answer) is not asked again for this long.
+NEGATIVE_SECONDS = 5.0
+# Requests parked for discoveries at once, in all; more are refused `overloaded`.
+MAX_PARKED = 4096
+
+
+class DiscoveryPending(Exception):
+    """The profile's fingerprint is being looked for: park the request and run it again."""
+
+    def __init__(self, profile: kv.Profile) -> None:
+        super().__init__(profile.name)
+        self.profile = profile
 
 
 def kv_limits(config: Config) -> kv.Limits:
@@ -62,6 +81,7 @@ class KVService:
         roots: tuple[str, ...] = (),
         capacity: int = 1024,
         max_reply_bytes: int = 8 << 20,
+        scout: Scout | None = None,
     ) -> None:
         self.profiles = profiles
         self.limits = limits
@@ -69,18 +89,23 @@ class KVService:
         self.roots = roots
         self.max_reply_bytes = max_reply_bytes
         self.stale = kv.StaleDetector(streak=stale_streak, capacity=capacity)
-        # Inline "discover" profiles are keys too: as bounded as the stale watches.
-        self._discovered: OrderedDict[kv.Profile, tuple[float, str]] = OrderedDict()
+        self.scout = scout
+        # Inline "discover" profiles are keys too: as bounded as the stale watches. A
+        # value is the fingerprint found, or the reason none could be.
+        self._discovered: OrderedDict[kv.Profile, tuple[float, str | Failed]] = OrderedDict()
+        self._parked: dict[kv.Profile, list[Callable[[], None]]] = {}
+        self._scanning: set[str] = set()  # stale-detector keys with a scan out
         self.capacity = capacity
         self.resolved_requests = 0
         self.resolve_seconds = 0.0
 
     @classmethod
-    def from_config(cls, config: Config) -> KVService:
+    def from_config(cls, config: Config, scout: Scout | None = None) -> KVService:
         return cls(
             config.models, kv_limits(config), allow_inline=config.allow_inline_layouts,
             stale_streak=config.stale_streak, roots=config.roots,
             capacity=config.max_stale_profiles, max_reply_bytes=config.max_output_bytes,
+            scout=scout,
         )
 
     def reconfigure(self, config: Config) -> None:
@@ -137,31 +162,50 @@ class KVService:
             )
 
     def discovered(self, profile: kv.Profile) -> str | None:
-        """The fingerprint found on disk for a `discover` profile (cached), else None."""
+        """The fingerprint found on disk for a `discover` profile, from memory; raises
+        DiscoveryPending when it must be looked for (the caller parks the request)."""
         if not profile.needs_discovery:
             return None
         if not self.may_list(profile):
-            raise RequestError(
-                BAD_REQUEST,
-                f"layout.root_dir {profile.layout.root_dir!r} is not under an allowed root: "
-                'an inline layout may "discover" only beneath the daemon\'s roots '
-                "(or give layout.fingerprint)",
-            )
-        now = time.monotonic()
+            raise RequestError(BAD_REQUEST, not_beneath(profile))
         cached = self._discovered.get(profile)
-        if cached is not None and now - cached[0] < REDISCOVER_SECONDS:
-            return cached[1]
-        try:
-            found = kv.discover_fingerprint(profile).fingerprint
-        except kv.DiscoveryError as error:
-            raise RequestError(BAD_REQUEST, f"fingerprint discovery: {error}") from error
-        if cached is None or cached[1] != found:
-            log.info("profile %s: discovered fingerprint %s", profile.name, found)
-        self._discovered[profile] = (now, found)
+        if cached is not None:
+            when, found = cached
+            fresh = REDISCOVER_SECONDS if isinstance(found, str) else NEGATIVE_SECONDS
+            if time.monotonic() - when < fresh:
+                if isinstance(found, str):
+                    return found
+                raise discovery_error(found)
+        raise DiscoveryPending(profile)
+
+    def park(self, profile: kv.Profile, retry: Callable[[], None]) -> None:
+        """Run `retry` once the scout has looked for the profile's fingerprint."""
+        if sum(map(len, self._parked.values())) >= MAX_PARKED:
+            raise RequestError(OVERLOADED, f"{MAX_PARKED} requests already wait for "
+                               "fingerprint discovery; try again shortly")
+        waiting = self._parked.setdefault(profile, [])
+        waiting.append(retry)
+        if len(waiting) > 1:
+            return  # its discovery is out already
+        if self.scout is None:
+            self.found(profile, Failed("error", "no scout to look with"))
+            return
+        self.scout.ask(Discover(profile, self.roots), lambda result: self.found(profile, result))
+
+    def found(self, profile: kv.Profile, result: Any) -> None:
+        """The scout's answer: remember it, then run every request parked for it."""
+        previous = self._discovered.get(profile)
+        if isinstance(result, str):
+            if previous is None or previous[1] != result:
+                log.info("profile %s: discovered fingerprint %s", profile.name, result)
+        else:
+            log.warning("profile %s: fingerprint discovery: %s", profile.name, result.message)
+        self._discovered[profile] = (time.monotonic(), result)
         self._discovered.move_to_end(profile)
         while len(self._discovered) > self.capacity:
             self._discovered.popitem(last=False)
-        return found
+        for retry in self._parked.pop(profile, []):
+            retry()
 
     def may_list(self, profile: kv.Profile) -> bool:
         """May discovery list this profile's root_dir and read the config.json files there?
@@ -170,16 +214,13 @@ class KVService:
         inline layout names any directory its client likes: without this check a
         request could make the supervisor list any directory and read (and quote back
         in its error) any `<dir>/<model>_<12 hex>/config.json` on the host. It must lie
-        beneath an allowed root as written and once symlinks are resolved.
+        beneath an allowed root as written (here: no file system is touched) and once
+        symlinks are resolved (the scout checks that before it lists anything).
         """
         if self.profiles.get(profile.name) is profile:
             return True
-        root_dir = profile.layout.root_dir
-        lexical, real = os.path.normpath(root_dir), os.path.realpath(root_dir)
-        return any(
-            _beneath(lexical, os.path.normpath(root)) and _beneath(real, os.path.realpath(root))
-            for root in self.roots
-        )
+        lexical = os.path.normpath(profile.layout.root_dir)
+        return any(beneath(lexical, os.path.normpath(root)) for root in self.roots)
 
     def record(self, profile: kv.Profile, fingerprint: str, outcomes: Mapping[str, int]) -> None:
         """Feed one request's outcomes to the stale detector; warn once it is sure."""
@@ -188,14 +229,19 @@ class KVService:
         missing = outcomes.get("missing", 0)
         if not self.stale.record(key, fingerprint, missing=missing, present=present):
             return
-        if not self.may_list(profile):
+        if not self.may_list(profile) or key in self._scanning or self.scout is None:
             return
-        try:
-            candidates = kv.scan(profile)
-        except kv.DiscoveryError as error:
-            log.debug("stale check of %s: %s", key, error)
+        self._scanning.add(key)
+        self.scout.ask(Scan(profile, self.roots),
+                       lambda result: self.scanned(key, fingerprint, result))
+
+    def scanned(self, key: str, fingerprint: str, result: Any) -> None:
+        """The scout's listing for a profile the stale detector suspects."""
+        self._scanning.discard(key)
+        if isinstance(result, Failed):
+            log.debug("stale check of %s: %s", key, result.message)
             return
-        self.stale.observe(key, candidates)
+        self.stale.observe(key, result)
         if self.stale.stale(key):
             log.warning(
                 "profile %s: every file under fingerprint %s is missing; the folder on disk "
@@ -221,5 +267,9 @@ class KVService:
         }
 
 
-def _beneath(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
+def discovery_error(failed: Failed) -> RequestError:
+    """What a client is told when its profile's fingerprint could not be found."""
+    if failed.kind == "timeout":
+        return RequestError(OVERLOADED, "fingerprint discovery: the file system under "
+                            f"layout.root_dir did not answer ({failed.message})")
+    return RequestError(BAD_REQUEST, failed.message)

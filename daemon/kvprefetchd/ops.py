@@ -25,7 +25,7 @@ from kvprefetchd.books import Books, ReplySink, Waiter
 from kvprefetchd.config import Config
 from kvprefetchd.confine import Roots
 from kvprefetchd.histogram import ACK_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
-from kvprefetchd.kvservice import KVService
+from kvprefetchd.kvservice import DiscoveryPending, KVService
 from kvprefetchd.pool import WorkerPool
 from kvprefetchd.protocol import (
     INTERNAL,
@@ -104,26 +104,48 @@ class Ops:
     def handle_frame(self, connection: ReplySink, payload: bytes) -> None:
         started = time.perf_counter()
         op = "none"  # a label for requests whose op could not be read
-        request_id: int | None = None
+        request: Request | None = None
         try:
             message = decode_payload(payload, self.limits)
-            request_id = request_id_of(message)
             raw_op = message.get("op")
             op = raw_op if isinstance(raw_op, str) and raw_op in self.handlers else "unknown"
-            request = parse_request(message)
-            if self.draining:
-                raise RequestError(OVERLOADED, "the daemon is shutting down", request_id)
-            self.handlers[request.op](connection, request)
-            self.requests[f"{op}:ok"] += 1
+            try:
+                request = parse_request(message)
+            except RequestError as error:
+                self.refuse(connection, op, error, request_id_of(message))
         except RequestError as error:
-            self.requests[f"{op}:error_{error.code}"] += 1
-            rid = error.request_id if error.request_id is not None else request_id
-            connection.send(error_reply(rid, error.code, error.message))
+            self.refuse(connection, op, error, None)
+        if request is not None:
+            self.run(connection, request)
+        self.ack_latency.observe(op, time.perf_counter() - started)
+
+    def run(self, connection: ReplySink, request: Request) -> None:
+        """Run a parsed request's handler; again, when a parked request's wait is over."""
+        op = request.op
+        try:
+            if self.draining:
+                raise RequestError(OVERLOADED, "the daemon is shutting down", request.request_id)
+            self.handlers[op](connection, request)
+            self.requests[f"{op}:ok"] += 1
+        except DiscoveryPending as pending:
+            # Parked until the scout has looked (kvservice.py); counted once it ends.
+            try:
+                self.kv.park(pending.profile, lambda: self.run(connection, request))
+            except RequestError as error:
+                self.refuse(connection, op, error, request.request_id)
+        except RequestError as error:
+            self.refuse(connection, op, error, request.request_id)
         except Exception as error:  # a bug must cost one reply, never the daemon
             log.exception("internal error handling a request")
             self.requests[f"{op}:error_{INTERNAL}"] += 1
-            connection.send(error_reply(request_id, INTERNAL, f"{type(error).__name__}: {error}"))
-        self.ack_latency.observe(op, time.perf_counter() - started)
+            connection.send(error_reply(request.request_id, INTERNAL,
+                                        f"{type(error).__name__}: {error}"))
+
+    def refuse(self, connection: ReplySink, op: str, error: RequestError,
+               request_id: int | None) -> None:
+        self.requests[f"{op}:error_{error.code}"] += 1
+        rid = error.request_id if error.request_id is not None else request_id
+        connection.send(error_reply(rid, error.code, error.message))
 
     # ---- the handlers ----------------------------------------------------------------------
 

@@ -19,17 +19,28 @@ import signal
 import socket
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvprefetchd.books import Books, Waiter
-from kvprefetchd.channel import BootFailed, ChannelReader, Done, Message, Ready, Warm, encode
+from kvprefetchd.channel import (
+    BootFailed,
+    ChannelReader,
+    Done,
+    Message,
+    Ready,
+    Root,
+    Warm,
+    encode,
+    send_with_fd,
+)
 from kvprefetchd.config import Config
 from kvprefetchd.engines import EngineSpec, NoEngine, engine_candidates
 from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
-from kvprefetchd.residency import RootRule
+from kvprefetchd.rootset import RootSet, RootState
+from kvprefetchd.stuck import Stuck
 from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
 
 log = logging.getLogger("kvprefetchd")
@@ -63,6 +74,7 @@ class WorkerHandle:
     # been silent for worker_timeout since then is wedged (murder_workers).
     heard: float = field(default_factory=time.monotonic)
     handler: Callable[[int], None] | None = None  # its selector callback
+    with_fds: deque[tuple[bytes, int]] = field(default_factory=deque)  # wait for output
     watched: int = selectors.EVENT_READ  # the selector events registered for it now
 
 
@@ -95,11 +107,12 @@ def _reaped_by(pid: int, deadline: float) -> bool:
 
 class WorkerPool:
     def __init__(
-        self, config: Config, rules: list[RootRule], books: Books,
-        selector: selectors.BaseSelector,
+        self, config: Config, roots: RootSet, books: Books,
+        selector: selectors.BaseSelector, stuck: Stuck,
     ) -> None:
         self.config = config
-        self.rules = rules
+        self.roots = roots
+        self.stuck = stuck
         self.books = books
         self.selector = selector
         self.engines = engines_by_mode(config)
@@ -110,6 +123,7 @@ class WorkerPool:
         self.killed_wedged = 0
         self.stopping = False
         self.problems_logged: set[str] = set()  # each said once, not once per worker
+        self.held_back: set[int] = set()  # shards left empty while too many workers are stuck
         # No worker can be found wedged before this time (murder_workers keeps it a
         # lower bound of every busy worker's deadline), so the loop sleeps until then.
         self.wedge_check_due = time.monotonic() + config.worker_timeout
@@ -122,7 +136,8 @@ class WorkerPool:
         return WorkerPlan(
             index=index,
             roots=config.roots,
-            rules=tuple(rule.code for rule in self.rules),
+            root_fds=self.roots.fds(),
+            rules=self.roots.codes(),
             engines=self.engines,
             engine_settings=EngineSettings(
                 chunk_bytes=config.chunk_bytes,
@@ -181,6 +196,20 @@ class WorkerPool:
         leave the shard empty (its files are dropped, counted) and try again later,
         rather than let one dead worker take the whole daemon down."""
         self.respawn_due.pop(index, None)
+        stuck = self.stuck.count("worker")
+        if stuck >= self.config.max_stuck_workers:
+            # Each stuck worker keeps its memory and threads until its tier answers: past
+            # the cap, a shard stays empty (its files dropped, counted) rather than fork
+            # without end while a dead tier holds every new worker the same way.
+            self.workers[index] = None
+            self.respawn_due[index] = time.monotonic() + RESPAWN_RETRY
+            if index not in self.held_back:
+                self.held_back.add(index)
+                log.error("worker %d: not respawned while %d killed workers are stuck in the "
+                          "kernel (max_stuck_workers); its files are dropped until one exits",
+                          index, stuck)
+            return
+        self.held_back.discard(index)
         try:
             self.spawn(index)
         except OSError as error:
@@ -222,19 +251,37 @@ class WorkerPool:
         handle.output += encode(message)
         self.flush(handle)
 
+    def add_root(self, state: RootState) -> None:
+        """A root opened after the workers started: its fd goes to each of them beside a
+        Root message (later workers inherit it)."""
+        for handle in self.workers:
+            if handle is not None:
+                handle.with_fds.append((encode(Root(state.index, state.code)), state.fd))
+                self.flush(handle)
+
     def flush(self, handle: WorkerHandle) -> None:
-        while handle.output:
+        while handle.output or handle.with_fds:
             try:
-                sent = handle.sock.send(handle.output)
+                if handle.output:
+                    sent = handle.sock.send(handle.output)
+                    del handle.output[:sent]
+                    continue
+                # A message with an fd starts only once what came before it is out, so
+                # the fd goes with that message's first byte (channel.send_with_fd).
+                data, fd = handle.with_fds[0]
+                sent = send_with_fd(handle.sock, data, fd)
+                handle.with_fds.popleft()
+                handle.output += data[sent:]
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as error:
                 if error.errno in (errno.EPIPE, errno.ECONNRESET):
                     handle.output.clear()  # it is dying; SIGCHLD settles its books
+                    handle.with_fds.clear()
                     break
                 raise
-            del handle.output[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if handle.output else 0)
+        waiting = handle.output or handle.with_fds
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if waiting else 0)
         if events != handle.watched:
             handle.watched = events
             self.selector.modify(handle.sock, events, handle.handler)
@@ -280,28 +327,24 @@ class WorkerPool:
     # ---- deaths --------------------------------------------------------------------------
 
     def closed(self, handle: WorkerHandle) -> None:
-        """EOF from a worker: it is dying; wait for it so its exit status is known."""
+        """EOF from a worker: it is exiting. Its status when the kernel has it already;
+        else it is settled now and tracked until it can be reaped (stuck.py)."""
         try:
-            _, status = os.waitpid(handle.pid, 0)
+            pid, status = os.waitpid(handle.pid, os.WNOHANG)
         except ChildProcessError:
+            pid, status = handle.pid, -1
+        if pid == 0:
+            self.stuck.add(handle.pid, "worker", "closed its channel, not yet exited")
             status = -1
         self.died(handle, status)
 
-    def reap(self) -> None:
-        """SIGCHLD: collect every child that exited, a worker or one killed as wedged."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            for handle in self.workers:
-                if handle is not None and handle.pid == pid:
-                    self.died(handle, status)
-                    break
-            else:
-                log.debug("reaped pid %d (a worker already replaced: killed as wedged)", pid)
+    def child_exited(self, pid: int, status: int) -> bool:
+        """A reaped child: True when it was a live worker (settled, and replaced)."""
+        for handle in self.workers:
+            if handle is not None and handle.pid == pid:
+                self.died(handle, status)
+                return True
+        return False
 
     def died(self, handle: WorkerHandle, status: int) -> None:
         if self.workers[handle.index] is not handle:
@@ -353,8 +396,8 @@ class WorkerPool:
         """SIGKILL a wedged worker, fail its files and put a new worker on its shard now.
 
         Its exit is not waited for: a process in uninterruptible I/O (D state) dies
-        only when that I/O returns, which may be never. reap() collects it whenever
-        it does.
+        only when that I/O returns, which may be never. It is tracked as stuck until
+        the supervisor reaps it, whenever it does.
         """
         log.warning(
             "worker %d (pid %d) wedged: %d files outstanding, nothing heard for %.1f s "
@@ -365,6 +408,7 @@ class WorkerPool:
         with contextlib.suppress(ProcessLookupError):
             os.kill(handle.pid, signal.SIGKILL)
         self.killed_wedged += 1
+        self.stuck.add(handle.pid, "worker", f"wedged: silent {silent:.0f} s")
         self.settle(handle)
         if self.stopping:
             self.workers[handle.index] = None
@@ -402,8 +446,10 @@ class WorkerPool:
             return "+".join(sorted(engines))
         return self.engines[self.config.warm_mode][0].name
 
-    def halt(self) -> None:
-        """Stop the workers; bounded in time however they behave."""
+    def halt(self, deadline: float) -> None:
+        """Stop the workers by `deadline` (monotonic) however they behave: SIGTERM, half the
+        time left, then SIGKILL; one still there after that is stuck in the kernel (D
+        state dies only when its I/O returns) and is left behind, named (stuck.py)."""
         self.stopping = True
         live = [w for w in self.workers if w is not None]
         for handle in live:
@@ -412,18 +458,14 @@ class WorkerPool:
                 os.kill(handle.pid, signal.SIGCONT)  # a stopped worker acts on SIGTERM only then
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 1.0
-        stubborn = [handle for handle in live if not _reaped_by(handle.pid, deadline)]
+        halfway = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+        stubborn = [handle for handle in live if not _reaped_by(handle.pid, halfway)]
         for handle in stubborn:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, signal.SIGKILL)
-        # A worker in uninterruptible I/O (D state) dies only when that I/O returns:
-        # give it a moment, then leave it to init rather than hang the shutdown.
-        deadline = time.monotonic() + 1.0
         for handle in stubborn:
             if not _reaped_by(handle.pid, deadline):
-                log.warning("worker %d (pid %d) did not exit; left behind",
-                            handle.index, handle.pid)
+                self.stuck.add(handle.pid, "worker", "did not exit when the daemon stopped")
         for handle in live:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(handle.sock)

@@ -56,7 +56,17 @@ def parse_mountinfo(text: str) -> list[tuple[str, str, str]]:
 
 
 def filesystem_type(path: str, mountinfo: str | None = None) -> str:
-    """The type of the file system holding path ('unknown' when it cannot be told).
+    """The type of the file system holding path ('unknown' when it cannot be told)."""
+    try:
+        real = os.path.realpath(path)
+        device = os.stat(real).st_dev
+    except OSError:
+        return "unknown"
+    return filesystem_type_of(device, real, mountinfo)
+
+
+def filesystem_type_of(device: int, path: str, mountinfo: str | None = None) -> str:
+    """The type of the file system of `device`, which holds `path`.
 
     Matched by device number first (exact, and right under bind mounts), then by
     the longest mount point that prefixes the path.
@@ -68,11 +78,7 @@ def filesystem_type(path: str, mountinfo: str | None = None) -> str:
         except OSError:
             return "unknown"
     mounts = parse_mountinfo(mountinfo)
-    try:
-        real = os.path.realpath(path)
-        device = os.stat(real).st_dev
-    except OSError:
-        return "unknown"
+    real = path
     wanted = f"{os.major(device)}:{os.minor(device)}"
     by_device = [m for m in mounts if m[0] == wanted]
     candidates = by_device or mounts
@@ -88,7 +94,15 @@ def filesystem_type(path: str, mountinfo: str | None = None) -> str:
 
 
 def choose_rule(root: str, configured: str, mountinfo: str | None = None) -> RootRule:
-    fstype = filesystem_type(root, mountinfo)
+    return rule_of(root, filesystem_type(root, mountinfo), configured)
+
+
+def rule_for_fd(fd: int, root: str, configured: str) -> RootRule:
+    """The rule of a root opened as fd (its device tells the file system, no path walk)."""
+    return rule_of(root, filesystem_type_of(os.fstat(fd).st_dev, root), configured)
+
+
+def rule_of(root: str, fstype: str, configured: str) -> RootRule:
     if configured != "auto":
         return RootRule(root, fstype, configured, "configured")
     if fstype in TIERED_FILESYSTEMS:

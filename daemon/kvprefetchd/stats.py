@@ -17,7 +17,6 @@ from kvprefetch.stats import (
     BoundStats,
     FileCounts,
     ProcessFigures,
-    RootStats,
     Stats,
     WorkerStats,
 )
@@ -27,8 +26,10 @@ from kvprefetchd.kvservice import KVService
 from kvprefetchd.ops import Ops
 from kvprefetchd.peers import PRIVILEGED_RESERVE
 from kvprefetchd.pool import WorkerHandle, WorkerPool
-from kvprefetchd.residency import RootRule
+from kvprefetchd.rootset import RootSet
+from kvprefetchd.scout import Scout
 from kvprefetchd.server import Server
+from kvprefetchd.stuck import Stuck
 
 
 def process_figures(pid: int) -> ProcessFigures:
@@ -48,7 +49,8 @@ def process_figures(pid: int) -> ProcessFigures:
 
 def build_stats(
     *, started: float, warm_mode: str, ops: Ops, pool: WorkerPool, books: Books,
-    server: Server, kv: KVService, rules: list[RootRule], events: dict[str, int],
+    server: Server, kv: KVService, roots: RootSet, stuck: Stuck, scout: Scout,
+    events: dict[str, int],
 ) -> Stats:
     return {
         "uptime_s": round(time.monotonic() - started, 3),
@@ -70,7 +72,10 @@ def build_stats(
         "supervisor": {"pid": os.getpid(), **process_figures(os.getpid())},
         "connections": len(server.connections),
         "bounds": bounds(ops, pool, server, kv),
-        "roots": [root_stats(rule) for rule in rules],
+        "roots": roots.stats(),
+        "scout": {"tasks": scout.counts["tasks"], "timeouts": scout.counts["timeouts"],
+                  "restarts": scout.counts["restarts"]},
+        "stuck": stuck.report(),
         "workers": [worker_stats(handle, pool) for handle in pool.workers if handle],
     }
 
@@ -110,10 +115,6 @@ def file_counts(books: Books) -> FileCounts:
         "expired_replies": totals["expired_replies"],
         "in_flight": books.in_flight(),
     }
-
-
-def root_stats(rule: RootRule) -> RootStats:
-    return {"root": rule.root, "fstype": rule.fstype, "rule": rule.rule, "why": rule.why}
 
 
 def worker_stats(handle: WorkerHandle, pool: WorkerPool) -> WorkerStats:

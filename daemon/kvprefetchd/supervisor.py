@@ -8,9 +8,9 @@ calls them; what is due at a time (deadlines, the heartbeat, a resting listener,
 watchdog) each room says through `next_due` and does in `tick`.
 
 Signal handlers only record the signal; the loop does the work (gunicorn's arbiter
-does the same), which keeps forking safe: no threads ever exist here. KV fingerprint
-discovery (kvservice.py) still lists directories on this loop; the reliability work
-moves it off.
+does the same), which keeps forking safe: no threads ever exist here. Nothing here
+touches a file system that may hang: the roots are opened, and KV fingerprints looked
+for, by the scout (scout.py), with deadlines.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from kvprefetchd.logs import stderr_handler
 from kvprefetchd.metrics_http import MetricsServer
 from kvprefetchd.ops import Ops
 from kvprefetchd.pool import BOOT_TIMEOUT, HaltError, WorkerPool
-from kvprefetchd.residency import RootRule, choose_rule
+from kvprefetchd.rootset import RootSet, RootState
+from kvprefetchd.scout import Scout
 from kvprefetchd.server import Server
 from kvprefetchd.stats import build_stats
+from kvprefetchd.stuck import Stuck
 
 __all__ = ["HaltError", "Supervisor"]
 
@@ -44,6 +46,15 @@ log = logging.getLogger("kvprefetchd")
 
 # After the drain's answers, how long the replies still have to reach their clients.
 FLUSH_SECONDS = 0.5
+# SIGTERM to exit, whatever a worker or a tier does: systemd's TimeoutStopSec is 10 s,
+# and we promise 5. The workers' stop gets at least HALT_SECONDS of it, the drain the
+# rest (up to drain_seconds), and EXIT_MARGIN is left for the interpreter to exit.
+STOP_SECONDS = 5.0
+HALT_SECONDS = 1.5
+EXIT_MARGIN = 0.3
+# How long start-up waits for the roots to open (the scout answers each one) before it
+# serves without those that have not: they are tried again in the background.
+ROOTS_TIMEOUT = 5.0
 
 
 class Supervisor:
@@ -58,13 +69,13 @@ class Supervisor:
         self.listener = listener
         self.started = time.monotonic()
         self.selector = selectors.DefaultSelector()
-        self.rules: list[RootRule] = [
-            choose_rule(root, config.residency_for(root)) for root in config.roots
-        ]
+        self.stuck = Stuck()
+        self.scout = Scout(self.selector, self.stuck, config.fs_timeout)
+        self.roots = RootSet(config, self.scout, self.root_opened)
         self.events: Counter[str] = Counter()  # reloads, refused peers, paused accepts ...
         self.books = Books(config.worker_count)
-        self.kv = KVService.from_config(config)
-        self.pool = WorkerPool(config, self.rules, self.books, self.selector)
+        self.kv = KVService.from_config(config, self.scout)
+        self.pool = WorkerPool(config, self.roots, self.books, self.selector, self.stuck)
         self.ops = Ops(config, self.books, self.pool, self.kv, self.stats)
         self.server = Server(config, self.selector, self.ops.handle_frame, self.events,
                              self.ops.requests)
@@ -72,6 +83,8 @@ class Supervisor:
         self.watchdog = systemd.Watchdog.from_environment()
         self.signals: list[int] = []
         self.stopping = False
+        self.stop_at: float | None = None  # when SIGTERM came (monotonic)
+        self.serving = False
         self.log_watched = False  # stderr's fd is in the selector (see watch_log)
         self._wakeup_r, self._wakeup_w = socket.socketpair()
 
@@ -79,10 +92,11 @@ class Supervisor:
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit status."""
-        self.log_start()
         self.install_signals()
         self.server.listen(self.listener)
         try:
+            self.open_roots()
+            self.log_engine()
             self.pool.spawn_all()
             self.wait_for_workers()
             self.server.start_accepting()
@@ -95,6 +109,7 @@ class Supervisor:
             systemd.ready(f"serving on {self.config.socket} with {workers} workers")
             log.info("serving on %s with %d workers (pid %d)",
                      self.config.socket, workers, os.getpid())
+            self.serving = True
             while not self.stopping:
                 self.run_once(self.next_timeout())
             self.drain()
@@ -102,13 +117,25 @@ class Supervisor:
         finally:
             self.halt()
 
-    def log_start(self) -> None:
-        for rule in self.rules:
-            if not os.path.isdir(rule.root):
-                log.warning("root %s does not exist (yet): its files are missing until it does",
-                            rule.root)
-            log.info("root %s: %s file system, %s rule (%s)",
-                     rule.root, rule.fstype, rule.rule, rule.why)
+    def open_roots(self) -> None:
+        """Have the scout open every root, and wait for its answers (at most ROOTS_TIMEOUT:
+        a root that does not answer is served once it does). A root refused at start (a
+        symlink, a directory another user could swap) stops the daemon with the reason."""
+        self.roots.open_all()
+        deadline = time.monotonic() + ROOTS_TIMEOUT
+        while not self.roots.settled() and not self.stopping and time.monotonic() < deadline:
+            self.run_once(min(0.1, max(0.0, deadline - time.monotonic())))
+        refused = self.roots.refused()
+        if refused:
+            raise HaltError("; ".join(state.message for state in refused))
+
+    def root_opened(self, state: RootState) -> None:
+        """A root opened: workers forked from now inherit it; those running get its fd."""
+        if self.serving or any(self.pool.workers):
+            log.info("root %s is open now: its files are served", state.path)
+            self.pool.add_root(state)
+
+    def log_engine(self) -> None:
         engines = self.pool.engines[self.config.warm_mode]
         log.info("engine %s, warm mode %s",
                  " or ".join(e.name for e in engines), self.config.warm_mode)
@@ -128,7 +155,7 @@ class Supervisor:
         return build_stats(
             started=self.started, warm_mode=self.config.warm_mode, ops=self.ops,
             pool=self.pool, books=self.books, server=self.server, kv=self.kv,
-            rules=self.rules, events=self.events,
+            roots=self.roots, stuck=self.stuck, scout=self.scout, events=self.events,
         )
 
     # ---- signals and reload ------------------------------------------------------------------
@@ -155,11 +182,27 @@ class Supervisor:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 if not self.stopping:
                     log.info("%s: draining and stopping", signal.Signals(signum).name)
+                    self.stop_at = time.monotonic()
                 self.stopping = True
             elif signum == signal.SIGCHLD:
-                self.pool.reap()
+                self.reap_children()
             elif signum == signal.SIGHUP:
                 self.reload()
+
+    def reap_children(self) -> None:
+        """Collect every child that exited: a worker (replaced), the scout, or one that
+        was killed and stuck in the kernel until now."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.stuck.exited(pid):
+                log.info("pid %d, killed earlier, has exited", pid)
+            elif not self.pool.child_exited(pid, status):
+                self.scout.child_exited(pid)
 
     def reload(self) -> None:
         """Re-read the configuration; an invalid file changes nothing and is logged.
@@ -202,6 +245,8 @@ class Supervisor:
             self.ops.next_due(now),
             self.pool.next_due(now),
             self.server.next_due(now),
+            self.scout.next_due(now),
+            self.roots.next_due(now),
             self.metrics.next_timeout(now) if self.metrics is not None else None,
             self.watchdog.timeout(now),
         ]
@@ -217,6 +262,8 @@ class Supervisor:
             self.ops.answer(waiter)
         now = time.monotonic()
         self.ops.expire(now)
+        self.scout.tick(now)
+        self.roots.tick(now)
         self.pool.tick(now)
         self.server.tick(now)
         if self.metrics is not None:
@@ -244,7 +291,9 @@ class Supervisor:
         systemd.stopping("draining")
         self.ops.draining = True
         self.server.close_listener()
-        deadline = time.monotonic() + self.config.drain_seconds
+        stop_at = self.stop_at if self.stop_at is not None else time.monotonic()
+        deadline = min(time.monotonic() + self.config.drain_seconds,
+                       stop_at + STOP_SECONDS - HALT_SECONDS - EXIT_MARGIN - FLUSH_SECONDS)
         while time.monotonic() < deadline and any(
             not waiter.answered for waiter in self.books.waiters()
         ):
@@ -256,7 +305,8 @@ class Supervisor:
             self.run_once(0.05)
 
     def halt(self) -> None:
-        """Stop the workers and close everything; bounded in time however the workers behave."""
+        """Stop the workers and close everything; bounded in time however they behave: by
+        STOP_SECONDS after SIGTERM (less EXIT_MARGIN), or HALT_SECONDS from now."""
         self.stopping = True
         self.ops.draining = True
         if self.metrics is not None:
@@ -264,4 +314,12 @@ class Supervisor:
             self.metrics = None
         self.server.close_listener()
         self.server.drop_all()
-        self.pool.halt()
+        now = time.monotonic()
+        deadline = now + HALT_SECONDS
+        if self.stop_at is not None:
+            deadline = max(now + 0.2, self.stop_at + STOP_SECONDS - EXIT_MARGIN)
+        self.scout.stop()
+        self.pool.halt(deadline)
+        self.reap_children()
+        self.stuck.say_left_behind()
+        self.roots.close()

@@ -26,6 +26,7 @@ from kvprefetchd.channel import (
     ChannelReader,
     Done,
     Ready,
+    Root,
     Warm,
     close_other_fds,
     send_all_blocking,
@@ -57,6 +58,10 @@ class WorkerPlan:
 
     index: int
     roots: tuple[str, ...]
+    # Each root's directory fd as the supervisor holds it (inherited across the fork;
+    # -1 while a root is not open yet: its fd comes later in a Root message), and its
+    # residency rule code (KVP_RES_*).
+    root_fds: tuple[int, ...]
     rules: tuple[int, ...]
     # Warm mode ("read", "advise") -> the engines to try, best first. The first mode is
     # the configured one (built at boot); another is there only when a model profile
@@ -107,14 +112,6 @@ def pin_mmap_threshold() -> None:
     mallopt(M_ARENA_MAX, ARENA_MAX)
 
 
-def _open_root(path: str) -> int:
-    """A directory fd to resolve beneath; -1 while the root does not exist (yet)."""
-    try:
-        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return -1
-
-
 class Worker:
     def __init__(self, plan: WorkerPlan, sock: socket.socket, engines: WarmEngines) -> None:
         self.plan = plan
@@ -124,7 +121,8 @@ class Worker:
         self.poller = select.poll()
         self.poller.register(sock.fileno(), select.POLLIN)
         self.watched: set[int] = set()  # engine fds in the poller
-        self.root_fds = [_open_root(root) for root in plan.roots]
+        self.root_fds = list(plan.root_fds)  # never a path: a root swapped later is not seen
+        self.rules = list(plan.rules)
         self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
                                      budget_bytes=plan.dedup_bytes)
         self.in_flight = InFlight()
@@ -151,6 +149,9 @@ class Worker:
             for message in self.reader.read_available():
                 if isinstance(message, Warm):
                     self.accept(message)
+                elif isinstance(message, Root):
+                    self.root_fds[message.index], self.rules[message.index] = (message.fd,
+                                                                               message.rule)
                 else:
                     log.warning("worker %d: unexpected %s", self.plan.index, type(message))
             if self.reader.closed:
@@ -189,19 +190,13 @@ class Worker:
             if not self.in_flight.join(key, read_bytes, ticket):
                 self.counters["dedup_in_flight"] += 1
                 continue
-            root_fd = self.root_fd(root_index)
-            if root_fd < 0:
+            root_fd = self.root_fds[root_index]
+            if root_fd < 0:  # not open yet (missing at start, or its tier not answering)
                 for waiting in self.in_flight.settle(key, read_bytes):
                     self.outcome(waiting, "missing", 0)
                 continue
-            rule = self.plan.rules[root_index]
+            rule = self.rules[root_index]
             queue.append(WarmItem(root_fd, rule, relative, read_bytes, key, received))
-
-    def root_fd(self, index: int) -> int:
-        """A root that did not exist at start may have been created since: look again."""
-        if self.root_fds[index] < 0:
-            self.root_fds[index] = _open_root(self.plan.roots[index])
-        return self.root_fds[index]
 
     def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
         """Give the engine what waits for it: all of it (a queue) or one batch."""
@@ -278,7 +273,7 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
     """Entry point in the forked child; never returns into the supervisor's code."""
     status = EXIT_OK
     try:
-        close_other_fds({0, 1, 2, sock.fileno()})
+        close_other_fds({0, 1, 2, sock.fileno(), *(fd for fd in plan.root_fds if fd >= 0)})
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
         signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -254,10 +254,12 @@ def test_kill_9_at_random_moments_under_load_answers_every_request_and_balances(
 
 
 def alive(processes: list[psutil.Process]) -> list[int]:
+    """The live workers among the supervisor's children (not its scout, scout.py)."""
     pids = []
     for process in processes:
         with contextlib.suppress(psutil.Error):
-            if process.status() != psutil.STATUS_ZOMBIE:
+            worker = "worker" in " ".join(process.cmdline())
+            if worker and process.status() != psutil.STATUS_ZOMBIE:
                 pids.append(process.pid)
     return pids
 

@@ -70,7 +70,12 @@ def realistic_stats() -> Stats:
             "stale_profiles": {"size": 1, "limit": 1024},
             "discovered_fingerprints": {"size": 0, "limit": 1024},
         },
-        "roots": [{"root": "/mnt/kv", "fstype": "gpfs", "rule": "tier", "why": "..."}],
+        "roots": [{"root": "/mnt/kv", "fstype": "gpfs", "rule": "tier", "why": "...",
+                   "status": "open"},
+                  {"root": "/mnt/later", "fstype": "unknown", "rule": "unknown",
+                   "why": "root /mnt/later: /mnt/later does not exist", "status": "missing"}],
+        "scout": {"tasks": 5, "timeouts": 1, "restarts": 1},
+        "stuck": [{"pid": 103, "role": "worker", "why": "wedged: silent 60 s", "for_s": 12.5}],
         "workers": [
             {"rss_bytes": 18_000_000, "cpu_seconds": 1.5, "open_fds": 6, "index": 0,
              "pid": 101, "ready": True, "engine": "io_uring", "queue_depth": 3,

@@ -24,7 +24,9 @@ from kvprefetchd.engines import PREAD, WarmEngines
 from kvprefetchd.engines.base import MAX_BATCH_BYTES, EngineSettings, WarmItem, next_batch
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.pool import WorkerHandle, WorkerPool
-from kvprefetchd.residency import choose_rule
+from kvprefetchd.rootset import RootSet
+from kvprefetchd.scout import Scout
+from kvprefetchd.stuck import Stuck
 from kvprefetchd.worker import Worker, WorkerPlan
 
 MIB = 1 << 20
@@ -40,8 +42,9 @@ class Patched:
         )
         self.books = Books(2)
         self.selector = selectors.DefaultSelector()
-        rules = [choose_rule(str(tmp_path), "auto")]
-        self.pool = WorkerPool(config, rules, self.books, self.selector)
+        self.stuck = Stuck()
+        roots = RootSet(config, Scout(self.selector, self.stuck, 1.0), lambda state: None)
+        self.pool = WorkerPool(config, roots, self.books, self.selector, self.stuck)
         self.kills: list[tuple[int, int]] = []
         self.spawned: list[int] = []
         self.peers: list[socket.socket] = []
@@ -96,6 +99,8 @@ def test_a_silent_worker_that_owes_outcomes_is_killed_failed_and_replaced(
     assert (pool.killed_wedged, pool.restarts) == (1, 1)
     # The pool answers no one: it hands the settled waiter to the supervisor's loop.
     assert pool.take_settled() == [waiter] and waiter.outcome_map()["failed"] == 3
+    # Its exit is not waited for: it is tracked until reaped (it may be stuck in the kernel).
+    assert [child["pid"] for child in patched.stuck.report()] == [90_000]
     assert not waiter.answered
     assert patched.books.totals["failed"] == 5 and patched.books.outstanding(0) == 0
 
@@ -179,7 +184,7 @@ def test_no_fault_is_read_when_none_is_set(monkeypatch: pytest.MonkeyPatch, tmp_
     settings = EngineSettings(128 * 1024, 128, 16, True, 256, 1024)
     engines = WarmEngines({"read": (PREAD,)}, "read", settings, "test")
     ours, theirs = socket.socketpair()
-    plan = WorkerPlan(0, (str(tmp_path),), (0,), {"read": (PREAD,)}, settings, 1.0, 100)
+    plan = WorkerPlan(0, (str(tmp_path),), (-1,), (0,), {"read": (PREAD,)}, settings, 1.0, 100)
     worker = Worker(plan, ours, engines)
     assert worker.faults is None
     ours.close()

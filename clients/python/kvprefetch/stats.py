@@ -94,9 +94,29 @@ class LatencyStats(TypedDict):
 
 class RootStats(TypedDict):
     root: str
-    fstype: str
-    rule: str  # the residency rule: tier, pagecache or off
+    fstype: str  # "unknown" until the root is open
+    rule: str  # the residency rule: tier, pagecache or off ("unknown" until open)
+    why: str  # why that rule; why the root is not open, when it is not
+    status: str  # open, opening, missing, refused, unresponsive or error
+
+
+class StuckProcess(TypedDict):
+    """A child killed (or gone) whose exit the kernel holds back: blocked in a file
+    system that does not answer. Reaped, and dropped from the list, when it exits."""
+
+    pid: int
+    role: str  # worker or scout
     why: str
+    for_s: float
+
+
+class ScoutStats(TypedDict):
+    """The helper process that touches file systems for the supervisor (roots, KV
+    discovery and scans), each task with a deadline."""
+
+    tasks: int
+    timeouts: int
+    restarts: int
 
 
 class BoundStats(TypedDict):
@@ -130,4 +150,6 @@ class Stats(TypedDict):
     # deadlines, stale_profiles, discovered_fingerprints.
     bounds: dict[str, BoundStats]
     roots: list[RootStats]
+    scout: ScoutStats
+    stuck: list[StuckProcess]
     workers: list[WorkerStats]

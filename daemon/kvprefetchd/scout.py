@@ -1,0 +1,365 @@
+"""The scout: a helper process that touches file systems so the supervisor never does.
+
+The supervisor's one thread must never wait on a file system: on a hung mount a
+directory listing or a stat sleeps uninterruptibly (no replies, no signals acted on,
+not even SIGKILL until the tier answers). So every such touch (opening a root, KV
+fingerprint discovery, the stale-profile scan) is a task the supervisor hands to the
+scout, a forked child that runs one task at a time and answers over a socketpair. The
+supervisor waits for no answer: each task carries a callback and a deadline. A scout
+that misses a deadline is presumed stuck in the kernel: it is SIGKILLed and replaced,
+and it is tracked (stuck.py) until the kernel lets it go; tasks behind it fail with
+the reason, and the callers answer their clients with it.
+
+Tasks and results are pickled: both ends are this program, forked, and what a task
+carries (a parsed profile, a path) was built by the supervisor, never unpickled from
+a client's bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import os
+import pickle
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from kvprefetchd import kv
+from kvprefetchd.channel import close_other_fds
+from kvprefetchd.residency import RootRule, rule_for_fd
+from kvprefetchd.roots import RootMissing, RootRefused, Trust, open_root
+from kvprefetchd.stuck import Stuck
+
+log = logging.getLogger("kvprefetchd.scout")
+
+HEADER = struct.Struct(">I")
+MAX_REPLY_BYTES = 64 << 20  # a listing of a huge root_dir; anything larger is a bug
+
+
+# ---- tasks (run in the scout) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenRoot:
+    """Open an allowed root without following symlinks (roots.py) and choose its rule."""
+
+    path: str
+    residency: str  # configured: auto, tier, pagecache or off
+    checks: bool = True
+
+    def run(self) -> Any:
+        try:
+            fd = open_root(self.path, checks=self.checks, trust=Trust.here())
+        except RootMissing as missing:
+            return Failed("missing", str(missing))
+        except RootRefused as refused:
+            return Failed("refused", str(refused))
+        except OSError as error:
+            return Failed("error", f"root {self.path}: {error.strerror}")
+        return Passed(rule_for_fd(fd, self.path, self.residency), fd)
+
+
+@dataclass(frozen=True)
+class Discover:
+    """Find a `discover` profile's fingerprint folder under its root_dir."""
+
+    profile: kv.Profile
+    roots: tuple[str, ...]
+
+    def run(self) -> Any:
+        if not real_path_beneath(self.profile.layout.root_dir, self.roots):
+            return Failed("refused", not_beneath(self.profile))
+        try:
+            return kv.discover_fingerprint(self.profile).fingerprint
+        except kv.DiscoveryError as error:
+            return Failed("error", f"fingerprint discovery: {error}")
+
+
+@dataclass(frozen=True)
+class Scan:
+    """Every fingerprint folder of a profile's model, for the stale-profile detector."""
+
+    profile: kv.Profile
+    roots: tuple[str, ...]
+
+    def run(self) -> Any:
+        if not real_path_beneath(self.profile.layout.root_dir, self.roots):
+            return Failed("refused", not_beneath(self.profile))
+        try:
+            return kv.scan(self.profile)
+        except kv.DiscoveryError as error:
+            return Failed("error", str(error))
+
+
+Task = OpenRoot | Discover | Scan
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A task's honest failure; `kind` "timeout" when the scout did not answer in time."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Passed:
+    """A root opened: its rule, and its fd (passed over the socket with SCM_RIGHTS)."""
+
+    rule: RootRule
+    fd: int = -1
+
+
+def real_path_beneath(path: str, roots: tuple[str, ...]) -> bool:
+    """`path` lies beneath a root once symlinks are resolved (a stat of every component:
+    the scout's business, never the supervisor's)."""
+    real = os.path.realpath(path)
+    return any(beneath(real, os.path.realpath(root)) for root in roots)
+
+
+def beneath(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def not_beneath(profile: kv.Profile) -> str:
+    return (f"layout.root_dir {profile.layout.root_dir!r} is not under an allowed root: an "
+            'inline layout may "discover" only beneath the daemon\'s roots (or give '
+            "layout.fingerprint)")
+
+
+# ---- the scout process -----------------------------------------------------------------
+
+
+def send_message(sock: socket.socket, payload: Any, fds: tuple[int, ...] = ()) -> None:
+    body = pickle.dumps(payload)
+    data = HEADER.pack(len(body)) + body
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_exact(sock: socket.socket, count: int, fds: list[int]) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        chunk, got, _, _ = socket.recv_fds(sock, count - len(data), 4)
+        if not chunk:
+            raise EOFError("the other end closed")
+        fds.extend(got)
+        data += chunk
+    return bytes(data)
+
+
+def scout_main(sock: socket.socket) -> NoReturn:
+    """The child: run each task in turn, answer with its result (and an fd if it made one)."""
+    status = 0
+    try:
+        close_other_fds({0, 1, 2, sock.fileno()})
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        with contextlib.suppress(ImportError):
+            import setproctitle
+
+            setproctitle.setproctitle("kvprefetchd: scout")
+        sock.setblocking(True)
+        while True:
+            (length,) = HEADER.unpack(recv_exact(sock, HEADER.size, []))
+            number, task = pickle.loads(recv_exact(sock, length, []))
+            result = task.run()
+            if isinstance(result, Passed) and result.fd >= 0:
+                send_message(sock, (number, result), (result.fd,))
+                os.close(result.fd)
+            else:
+                send_message(sock, (number, result))
+    except EOFError:
+        pass  # the supervisor is gone
+    except BaseException:
+        log.exception("the scout crashed")
+        status = 1
+    finally:
+        sys.stderr.flush()
+    os._exit(status)
+
+
+# ---- the supervisor's side -------------------------------------------------------------
+
+
+@dataclass
+class Pending:
+    number: int
+    task: Task
+    callback: Callable[[Any], None]
+    deadline: float = 0.0  # set when sent
+
+
+@dataclass
+class ScoutProcess:
+    pid: int
+    sock: socket.socket
+    buffer: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+
+
+class Scout:
+    """Hands tasks to the scout process one at a time; answers each through its callback.
+
+    A task not answered within `timeout` seconds is answered Failed("timeout"), and so
+    is every task queued behind it; the stuck scout is killed, tracked, and replaced. At
+    most `max_stuck` scouts may be stuck at once: beyond that, tasks fail at once (the
+    file systems under the roots are not answering), so a dead tier cannot make the
+    daemon fork without end.
+    """
+
+    def __init__(self, selector: selectors.BaseSelector, stuck: Stuck, timeout: float,
+                 max_stuck: int = 4) -> None:
+        self.selector = selector
+        self.stuck = stuck
+        self.timeout = timeout
+        self.max_stuck = max_stuck
+        self.process: ScoutProcess | None = None
+        self.queue: deque[Pending] = deque()
+        self.current: Pending | None = None
+        self.numbers = itertools.count(1)
+        self.counts = {"tasks": 0, "timeouts": 0, "restarts": 0}
+
+    def ask(self, task: Task, callback: Callable[[Any], None]) -> None:
+        self.counts["tasks"] += 1
+        self.queue.append(Pending(next(self.numbers), task, callback))
+        self.pump()
+
+    def pump(self) -> None:
+        """Send the next task when the scout is free (starting one if need be)."""
+        if self.current is not None or not self.queue:
+            return
+        if self.process is None:
+            if self.stuck.count("scout") >= self.max_stuck:
+                self.fail_all(f"{self.stuck.count('scout')} scouts are stuck in the kernel: "
+                              "a file system under the roots is not answering")
+                return
+            self.spawn()
+        assert self.process is not None
+        pending = self.queue.popleft()
+        pending.deadline = time.monotonic() + self.timeout if self.timeout else math.inf
+        self.current = pending
+        try:
+            send_message(self.process.sock, (pending.number, pending.task))
+        except OSError:
+            self.lost("the scout went away")
+
+    def spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns here
+            ours.close()
+            scout_main(theirs)
+        theirs.close()
+        ours.setblocking(False)
+        self.process = ScoutProcess(pid, ours)
+        self.selector.register(ours, selectors.EVENT_READ,
+                               functools.partial(self.on_event, self.process))
+
+    def on_event(self, process: ScoutProcess, _events: int) -> None:
+        while True:
+            try:
+                chunk, fds, _, _ = socket.recv_fds(process.sock, 1 << 16, 4)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            process.fds.extend(fds)
+            if not chunk:
+                if process is self.process:
+                    self.lost("the scout exited")
+                return
+            process.buffer += chunk
+        self.take_replies(process)
+
+    def take_replies(self, process: ScoutProcess) -> None:
+        while len(process.buffer) >= HEADER.size:
+            (length,) = HEADER.unpack_from(process.buffer)
+            if length > MAX_REPLY_BYTES:
+                self.lost(f"a reply of {length} bytes from the scout")
+                return
+            if len(process.buffer) < HEADER.size + length:
+                return
+            number, result = pickle.loads(bytes(process.buffer[HEADER.size:HEADER.size + length]))
+            del process.buffer[:HEADER.size + length]
+            if isinstance(result, Passed) and result.fd >= 0:
+                result = Passed(result.rule, process.fds.pop(0) if process.fds else -1)
+            current = self.current
+            if current is None or current.number != number:
+                if isinstance(result, Passed) and result.fd >= 0:
+                    os.close(result.fd)  # the answer to a task given up on
+                continue
+            self.current = None
+            current.callback(result)
+        self.pump()
+
+    def lost(self, why: str) -> None:
+        """The scout died or hangs: fail what it had, track it, start afresh later."""
+        process, self.process = self.process, None
+        if process is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(process.sock)
+            process.sock.close()
+            for fd in process.fds:
+                os.close(fd)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            self.stuck.add(process.pid, "scout", why)
+            self.counts["restarts"] += 1
+        current, self.current = self.current, None
+        if current is not None:
+            current.callback(Failed("timeout", why))
+        self.pump()
+
+    def fail_all(self, why: str) -> None:
+        while self.queue:
+            self.queue.popleft().callback(Failed("timeout", why))
+
+    def next_due(self, now: float) -> float | None:
+        if self.current is None or self.current.deadline == math.inf:
+            return None
+        return max(0.0, self.current.deadline - now)
+
+    def tick(self, now: float) -> None:
+        if self.current is not None and now >= self.current.deadline:
+            self.counts["timeouts"] += 1
+            what = type(self.current.task).__name__
+            log.warning("the scout did not finish %s within %.0f s (a file system is not "
+                        "answering); it is replaced", what, self.timeout)
+            self.lost(f"no answer within {self.timeout:.0f} s (the file system may hang)")
+
+    def child_exited(self, pid: int) -> bool:
+        """SIGCHLD: True when pid was the live scout (it is replaced on the next task)."""
+        if self.process is not None and self.process.pid == pid:
+            self.lost("the scout exited")
+            return True
+        return False
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(process.sock)
+        process.sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+        self.stuck.add(process.pid, "scout", "stopping")  # reaped with the other children
+
