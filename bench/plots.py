@@ -59,12 +59,7 @@ def throughput(results: dict[str, Any], path: Path) -> bool:
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"kvprefetchd vs fio, vmtouch and a 16-thread pread pool "
-                 f"({results['started'][:10]}, {results['machine']['cpus']} CPUs)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save(fig, path, "kvprefetchd vs fio, vmtouch and a 16-thread pread pool", results)
 
 
 def latency_cdf(results: dict[str, Any], path: Path) -> bool:
@@ -96,10 +91,7 @@ def latency_cdf(results: dict[str, Any], path: Path) -> bool:
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("fire-and-forget prefetch: kvprefetchd against a msgpack echo floor",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
 def tier_latency(results: dict[str, Any], path: Path) -> bool:
@@ -143,8 +135,14 @@ def tier_latency(results: dict[str, Any], path: Path) -> bool:
         slots = f"{s['slots']} slots" if s["slots"] else "unlimited slots"
         ax.set_title(f"{s['dataset']}, head {datasets.format_size(s['head_bytes'])}, {slots}",
                      fontsize=9)
-    fig.suptitle(f"warm-up through the slow-tier simulator ({results['started'][:10]}, "
-                 f"{results['machine']['cpus']} CPUs)", fontsize=10)
+    return save(fig, path, "warm-up through the slow-tier simulator", results)
+
+
+def save(fig: Any, path: Path, title: str = "", results: dict[str, Any] | None = None) -> bool:
+    """Title (with the run's date and CPUs), lay out, write and free a figure."""
+    if results is not None:
+        fig.suptitle(f"{title} ({results['started'][:10]}, {results['machine']['cpus']} CPUs)",
+                     fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,38 +44,42 @@ import tier_methods
 import tier_summary
 from tier_measure import measure
 from warmup_daemon import make_prefetcher
+from warmup_methods import Env
 from warmup_tools import build_uring_heads
 
 import tiersim
 
 OnRun = Callable[[float, str, int], None]
-# A [[tier]] table of a scenario file (bench/suite.py): tier.py's options, in TOML.
-TABLE_KEYS = {"name", "dataset", "head", "latency_ms", "jitter_ms", "chunk", "slots",
-              "bandwidth", "methods", "reps", "workers", "fio_depth", "run_budget_s"}
+# What a [[tier]] table of a scenario file sets (bench/suite.py), as this script's options:
+# the TOML key is the option without "--", "_" for "-"; a TOML list is a comma list.
+TABLE_OPTIONS: dict[str, tuple[type, Any, str]] = {
+    "dataset": (str, "200x512KiB", "COUNTxSIZE: files of one size"),
+    "head": (str, "256KiB", "bytes to warm per file"),
+    "latency_ms": (str, "20", "comma list: the sweep's points, in ms"),
+    "jitter_ms": (float, 0.0, "plus uniform(0, jitter) ms per fetch"),
+    "chunk": (str, "1MiB", "the tier's fetch unit"),
+    "slots": (int, 0, "fetches in flight at most (0: no cap)"),
+    "bandwidth": (int, 0, "bytes/s over all fetches (0: no cap)"),
+    "methods": (str, ",".join(tier_methods.METHODS), "comma list (tier_methods.py)"),
+    "reps": (int, 3, "repetitions of every point"),
+    "workers": (int, 2, "daemon workers"),
+    "fio_depth": (int, 1024, "fio's (and uring_heads') depth: not what limits them"),
+    "run_budget_s": (float, 0.0, "a method whose median run took longer leaves the later "
+                     "points (0: never)"),
+}
+TABLE_KEYS = {"name", *TABLE_OPTIONS}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="200x512KiB", help="COUNTxSIZE (one size)")
+    for key, (kind, default, text) in TABLE_OPTIONS.items():
+        parser.add_argument("--" + key.replace("_", "-"), type=kind, default=default,
+                            help=f"{text} (default %(default)s)")
     parser.add_argument("--seed", type=int, default=datasets.DEFAULT_SEED)
     parser.add_argument("--base", type=Path, default=datasets.DEFAULT_BASE,
                         help="where datasets live (default %(default)s)")
-    parser.add_argument("--head", default="256KiB", help="bytes to warm per file")
-    parser.add_argument("--latency-ms", default="20", help="comma list: the sweep's points")
-    parser.add_argument("--jitter-ms", type=float, default=0.0)
-    parser.add_argument("--chunk", default="1MiB", help="the tier's fetch unit")
-    parser.add_argument("--slots", type=int, default=0, help="fetches in flight at most, 0: no cap")
-    parser.add_argument("--bandwidth", type=int, default=0, help="bytes/s, 0: no cap")
-    parser.add_argument("--methods", default=",".join(tier_methods.METHODS))
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2, help="daemon workers")
-    parser.add_argument("--fio-depth", type=int, default=1024, help="fio's (and uring_heads') "
-                        "iodepth: high enough not to be what limits it")
     parser.add_argument("--chunk-paths", type=int, default=1000,
                         help="paths per pipelined request to the daemon")
-    parser.add_argument("--run-budget-s", type=float, default=0.0,
-                        help="drop a method from later points once its median run took "
-                        "longer (0: never)")
     parser.add_argument("--residency-sample", type=int, default=200,
                         help="files whose heads' page-cache residency is read after a run")
     parser.add_argument("--order-seed", type=int, default=0)
@@ -101,21 +106,13 @@ def check(args: argparse.Namespace) -> list[str]:
 
 
 def table_argv(entry: dict[str, Any], reps: int, base: Path, out: Path) -> list[str]:
-    """The command line of one [[tier]] table (these defaults where it says nothing)."""
-    latency = entry.get("latency_ms", [20])
-    methods = entry.get("methods", tier_methods.METHODS)
-    return [
-        "--dataset", entry["dataset"], "--head", entry.get("head", "256KiB"),
-        "--latency-ms", ",".join(str(v) for v in (latency if isinstance(latency, list)
-                                                  else [latency])),
-        "--jitter-ms", str(entry.get("jitter_ms", 0)), "--chunk", entry.get("chunk", "1MiB"),
-        "--slots", str(entry.get("slots", 0)), "--bandwidth", str(entry.get("bandwidth", 0)),
-        "--methods", methods if isinstance(methods, str) else ",".join(methods),
-        "--reps", str(entry.get("reps", reps)), "--workers", str(entry.get("workers", 2)),
-        "--fio-depth", str(entry.get("fio_depth", 1024)),
-        "--run-budget-s", str(entry.get("run_budget_s", 0)),
-        "--base", str(base), "--out", str(out), "--quiet",
-    ]
+    """The command line of one [[tier]] table; `reps` unless it says otherwise."""
+    argv = ["--base", str(base), "--out", str(out), "--quiet", "--reps", str(reps)]
+    for key, value in entry.items():
+        if key in TABLE_OPTIONS:
+            text = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
+            argv += ["--" + key.replace("_", "-"), text]
+    return argv
 
 
 def check_table(entry: dict[str, Any], reps: int) -> list[str]:
@@ -155,7 +152,16 @@ def run(args: argparse.Namespace, on_run: OnRun | None = None) -> dict[str, Any]
     methods = method_list(args)
     skipped = tier_methods.skipped(methods)
     active = [m for m in methods if m not in skipped]
-    say = (lambda _text: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
+
+    def tell(latency: float, method: str, rep: int, one: dict[str, Any]) -> None:
+        if not args.quiet:
+            print(f"{latency:g} ms rep {rep} {method:28s} "
+                  f"{tier_summary.fmt(one['wall_s'], '.3f')} s, {one['tier']['fetches']} "
+                  f"fetches, peak {one['tier']['peak_in_flight']}"
+                  f"{'' if one['ok'] else '  (!)'}", file=sys.stderr)
+        if on_run is not None:
+            on_run(latency, method, rep)
+
     workdir = Path(tempfile.mkdtemp(prefix="kvbench-tier-"))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -171,41 +177,27 @@ def run(args: argparse.Namespace, on_run: OnRun | None = None) -> dict[str, Any]
             uring = build_uring_heads(workdir) if "uring_heads" in active else None
             daemons = tier_methods.start_daemons(active, tier.mountpoint, head, len(paths),
                                                  args.workers, workdir, args.out)
-            env = tier_methods.environment(
-                paths, head, workdir, tier.mountpoint / os.path.relpath(ds.model_dir, ds.root),
-                args.fio_depth, daemons, make_prefetcher("auto")[1], args.chunk_paths, uring)
-            sample = cold.sample(paths, args.residency_sample, args.seed)
-            per_file = -(-head // chunk)
-            for latency in latencies(args):
-                tier.set(latency_ms=latency)
-                point = {"latency_ms": latency, "slots": args.slots,
-                         "jitter_ms": args.jitter_ms, "loadavg": os.getloadavg(),
-                         "ideal_s": tier_summary.ideal_s(len(paths), per_file, latency,
-                                                         args.jitter_ms, args.slots),
-                         "simulator_floor_s": tier_summary.simulator_floor_s(
-                             len(paths), per_file, latency, args.jitter_ms,
-                             min(args.slots or 1 << 30, tier.options.max_background))}
-                runs: dict[str, list[dict[str, Any]]] = {m: [] for m in active}
-                for rep in range(args.reps):
-                    order = list(active)
-                    random.Random((args.order_seed * 1000 + len(points)) * 100 + rep).shuffle(order)
-                    orders.append(order)
-                    for position, method in enumerate(order):
-                        one = measure(env, tier, method, backing, ds.size,
-                                      tier_methods.reads_whole_files(method), sample)
-                        runs[method].append({"rep": rep, "position": position, **one})
-                        say(f"{latency:g} ms rep {rep} {method:28s} "
-                            f"{tier_summary.fmt(one['wall_s'], '.3f')} s, "
-                            f"{one['tier']['fetches']} fetches, peak "
-                            f"{one['tier']['peak_in_flight']}{'' if one['ok'] else '  (!)'}")
-                        if on_run is not None:
-                            on_run(latency, method, rep)
-                points.append(tier_summary.summarize_point(point, runs, len(paths), head,
-                                                           skipped))
-                active = over_budget(points[-1], active, skipped, args.run_budget_s)
+            try:  # the daemons stop before the tier unmounts
+                env = tier_methods.environment(
+                    paths, head, workdir, tier.mountpoint / os.path.relpath(ds.model_dir,
+                                                                            ds.root),
+                    args.fio_depth, daemons, make_prefetcher("auto")[1], args.chunk_paths,
+                    uring)
+                sweep = Sweep(args, env, tier, backing, ds.size,
+                              cold.sample(paths, args.residency_sample, args.seed), orders,
+                              tell)
+                for latency in latencies(args):
+                    tier.set(latency_ms=latency)
+                    point = point_settings(args, latency, len(paths), -(-head // chunk),
+                                           tier.options.max_background)
+                    runs = sweep.point(latency, len(points), active)
+                    points.append(tier_summary.summarize_point(point, runs, len(paths), head,
+                                                               skipped))
+                    active = over_budget(points[-1], active, skipped, args.run_budget_s)
+            finally:
+                for daemon in daemons.values():
+                    daemon.stop()
     finally:
-        for daemon in daemons.values():
-            daemon.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return {
         **machine.run_header("tier", started),
@@ -225,6 +217,46 @@ def run(args: argparse.Namespace, on_run: OnRun | None = None) -> dict[str, Any]
         "points": points,
         "targets": tier_summary.targets(points),
     }
+
+
+@dataclass
+class Sweep:
+    """What every run of one [[tier]] table shares: the mount, its files, the methods' Env."""
+
+    args: argparse.Namespace
+    env: Env
+    tier: tiersim.Tier
+    backing: list[str]
+    file_bytes: int
+    sample: list[str]
+    orders: list[list[str]]
+    tell: Callable[[float, str, int, dict[str, Any]], None]
+
+    def point(self, latency: float, index: int, active: list[str]) -> dict[str, list[Any]]:
+        """Every repetition of every active method at the tier's current setting."""
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in active}
+        for rep in range(self.args.reps):
+            order = list(active)
+            random.Random((self.args.order_seed * 1000 + index) * 100 + rep).shuffle(order)
+            self.orders.append(order)
+            for position, method in enumerate(order):
+                one = measure(self.env, self.tier, method, self.backing, self.file_bytes,
+                              tier_methods.reads_whole_files(method), self.sample)
+                runs[method].append({"rep": rep, "position": position, **one})
+                self.tell(latency, method, rep, one)
+        return runs
+
+
+def point_settings(args: argparse.Namespace, latency: float, files: int, per_file: int,
+                   max_background: int) -> dict[str, Any]:
+    """A point's tier setting and the references that follow from it alone."""
+    return {"latency_ms": latency, "slots": args.slots, "jitter_ms": args.jitter_ms,
+            "loadavg": os.getloadavg(),
+            "ideal_s": tier_summary.ideal_s(files, per_file, latency, args.jitter_ms,
+                                            args.slots),
+            "simulator_floor_s": tier_summary.simulator_floor_s(
+                files, per_file, latency, args.jitter_ms,
+                min(args.slots or max_background, max_background))}
 
 
 def over_budget(point: dict[str, Any], active: list[str], skipped: dict[str, str],
@@ -255,8 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{results['dataset']['name']}, head {datasets.format_size(results['head_bytes'])}"
           f", {args.reps} reps; median s (x best pool, or x ideal with slots) peak in flight:")
     print(tier_summary.text_table(*tier_summary.sweep_rows(results["points"])))
-    print("\n" + tier_summary.text_table(tier_summary.TARGET_HEAD,
-                                         tier_summary.target_rows(results["targets"])))
+    if results["targets"]:
+        print("\n" + tier_summary.text_table(tier_summary.TARGET_HEAD,
+                                             tier_summary.target_rows(results["targets"])))
     print(f"\nresults: {args.out / 'results.json'}")
     return 0
 
