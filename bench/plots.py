@@ -1,10 +1,12 @@
-"""The suite's two pictures: throughput per method, and ack latency CDFs.
+"""The suite's pictures: throughput per method, ack latency CDFs, warm-up time on a slow tier.
 
 throughput.png: one panel per warm-up scenario; per method, GB/s of heads warmed (solid)
 and of warm-up + the consumer's read (hatched: what a reader of the files sees). fio and
 vmtouch are drawn in grey so the eye finds the references. latency_cdf.png: for each
 request size, the daemon's ack latency against the echo floor, log scale; plus the
-router-like load when it ran.
+router-like load when it ran. tier_latency.png: one panel per slow-tier scenario, warm-up
+time against the tier's latency, one line per method (log scales; 0 ms on a linear stretch),
+the daemon's default drawn thick, and the ideal of a slot-capped tier as a black cross.
 """
 
 from __future__ import annotations
@@ -57,12 +59,7 @@ def throughput(results: dict[str, Any], path: Path) -> bool:
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"kvprefetchd vs fio, vmtouch and a 16-thread pread pool "
-                 f"({results['started'][:10]}, {results['machine']['cpus']} CPUs)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save(fig, path, "kvprefetchd vs fio, vmtouch and a 16-thread pread pool", results)
 
 
 def latency_cdf(results: dict[str, Any], path: Path) -> bool:
@@ -94,6 +91,58 @@ def latency_cdf(results: dict[str, Any], path: Path) -> bool:
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("fire-and-forget prefetch: kvprefetchd against a msgpack echo floor",
                  fontsize=10)
+    return save(fig, path)
+
+
+def tier_latency(results: dict[str, Any], path: Path) -> bool:
+    tiers = [s for s in results["scenarios"] if s["kind"] == "tier" and s["points"]]
+    if not tiers:
+        return False
+    fig, axes = plt.subplots(1, len(tiers), figsize=(6.4 * len(tiers), 4.8), squeeze=False)
+    for ax, scenario in zip(axes[0], tiers, strict=True):
+        points = scenario["points"]
+        names = dict.fromkeys(n for p in points for n in p["methods"] if n != "none")
+        shades = {"daemon": iter(["#0a3069", "#1f6feb", "#54aeff", "#80ccff", "#218bff"]),
+                  "python": iter(["#9a6700", "#d29922", "#e16f24", "#bf8700", "#fb8f44"]),
+                  "tool": iter(["#24292f", "#8c959f", "#57606a"])}
+        for name in names:
+            xs, ys, kind = [], [], "tool"
+            for point in points:
+                m = point["methods"].get(name, {})
+                if m.get("wall_s"):
+                    xs.append(point["latency_ms"])
+                    ys.append(m["wall_s"])
+                    kind = m["kind"]
+            default = name == "kvprefetchd-auto"
+            ax.plot(xs, ys, "-" if kind != "tool" else "--", marker="o" if kind != "tool"
+                    else "s", markersize=3, color=next(shades.get(kind, iter([])), "#444"),
+                    linewidth=2.6 if default else 1.2, label=name)
+        latencies = [p["latency_ms"] for p in points]
+        ax.plot(latencies, [p["simulator_floor_s"] for p in points], ":", marker="_", color="k",
+                label="simulator floor (estimate)")
+        ideal = [(p["latency_ms"], p["ideal_s"]) for p in points if p.get("ideal_s")]
+        if ideal:
+            ax.plot(*zip(*ideal, strict=True), "kx", markersize=9,
+                    label="files x latency / slots")
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xticks(latencies, [f"{v:g}" for v in latencies])
+        ax.set_yscale("log")
+        ax.set_xlabel("tier latency per fetch, ms")
+        ax.set_ylabel("warm-up s (median)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        s = scenario["settings"]
+        slots = f"{s['slots']} slots" if s["slots"] else "unlimited slots"
+        ax.set_title(f"{s['dataset']}, head {datasets.format_size(s['head_bytes'])}, {slots}",
+                     fontsize=9)
+    return save(fig, path, "warm-up through the slow-tier simulator", results)
+
+
+def save(fig: Any, path: Path, title: str = "", results: dict[str, Any] | None = None) -> bool:
+    """Title (with the run's date and CPUs), lay out, write and free a figure."""
+    if results is not None:
+        fig.suptitle(f"{title} ({results['started'][:10]}, {results['machine']['cpus']} CPUs)",
+                     fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -103,7 +152,8 @@ def latency_cdf(results: dict[str, Any], path: Path) -> bool:
 def draw(results: dict[str, Any], out: Path) -> list[str]:
     """Draw what the results hold; the names of the files written."""
     written = []
-    for name, painter in (("throughput.png", throughput), ("latency_cdf.png", latency_cdf)):
+    for name, painter in (("throughput.png", throughput), ("latency_cdf.png", latency_cdf),
+                          ("tier_latency.png", tier_latency)):
         if painter(results, out / name):
             written.append(name)
     return written

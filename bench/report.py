@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import tier_report
 
 # What the one-screen summary shows of a warm-up (everything is in results.json).
 SUMMARY_SKIP = ("uring_heads", "pypool-32")
@@ -123,17 +124,20 @@ def load_scenario(raw: dict[str, Any], raw_path: Path) -> dict[str, Any]:
 
 def all_ok(results: dict[str, Any]) -> bool:
     """Every method ran clean (or was skipped with a reason), nothing dropped or lost."""
-    for scenario in results["scenarios"]:
-        if scenario["kind"] == "warmup":
-            if any(not m["status"].startswith(("ok", "skipped"))
-                   for m in scenario["methods"].values()):
-                return False
-        elif scenario["kind"] == "ack_latency":
-            if scenario["dropped"]:
-                return False
-        elif scenario["kind"] == "router_load" and (scenario["lost"] or scenario["errors"]
-                                                     or not scenario["books_balance"]):
-            return False
+    return all(scenario_ok(scenario) for scenario in results["scenarios"])
+
+
+def scenario_ok(scenario: dict[str, Any]) -> bool:
+    kind = scenario["kind"]
+    if kind == "warmup":
+        return all(m["status"].startswith(("ok", "skipped"))
+                   for m in scenario["methods"].values())
+    if kind == "tier":
+        return tier_report.ok(scenario)
+    if kind == "ack_latency":
+        return not scenario["dropped"]
+    if kind == "router_load":
+        return not (scenario["lost"] or scenario["errors"] or not scenario["books_balance"])
     return True
 
 
@@ -195,7 +199,7 @@ def _title(scenario: dict[str, Any]) -> str:
             f"{s['reps']} reps, daemon workers {s['workers']}, {state}")
 
 
-def _md_table(head: list[str], rows: Iterable[list[str]]) -> str:
+def md_table(head: list[str], rows: Iterable[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
               for row in rows]
@@ -232,20 +236,22 @@ def markdown(results: dict[str, Any]) -> str:
              "ratios are paired per repetition (below 1 is faster); `sum` is warm-up + the "
              "consumer's read of every head right after it."]
     if headline := list(headline_rows(results)):
-        parts.append("**Headline**\n\n" + _md_table(HEADLINE_HEAD, headline))
+        parts.append("**Headline**\n\n" + md_table(HEADLINE_HEAD, headline))
     for scenario in results["scenarios"]:
         if scenario["kind"] == "warmup":
             parts.append(f"**Warm-up: {_title(scenario)}**\n\n"
-                         + _md_table(WARMUP_HEAD, warmup_rows(scenario, every=True)))
+                         + md_table(WARMUP_HEAD, warmup_rows(scenario, every=True)))
+        elif scenario["kind"] == "tier":
+            parts.append(tier_report.markdown(scenario, md_table))
         elif scenario["kind"] == "ack_latency":
             parts.append(f"**Ack latency** ({scenario['settings']['engine']}, "
                          f"{scenario['settings']['workers']} workers; dropped "
-                         f"{scenario['dropped']})\n\n" + _md_table(ACK_HEAD,
+                         f"{scenario['dropped']})\n\n" + md_table(ACK_HEAD,
                                                                     ack_rows(scenario)))
         elif scenario["kind"] == "router_load":
             parts.append("**Router-like load** (books balance: "
                          f"{scenario['books_balance']})\n\n"
-                         + _md_table(LOAD_HEAD, [load_row(scenario)]))
+                         + md_table(LOAD_HEAD, [load_row(scenario)]))
     return "\n\n".join(parts) + "\n"
 
 
@@ -281,7 +287,9 @@ def print_summary(results: dict[str, Any]) -> None:
             table.add_row(name, *cells)
         console.print(table)
     for s in results["scenarios"]:
-        if s["kind"] == "ack_latency":
+        if s["kind"] == "tier":
+            tier_report.print_tables(console, s)
+        elif s["kind"] == "ack_latency":
             table = Table(title=f"ack latency (dropped {s['dropped']})", title_justify="left")
             for column in ACK_HEAD:
                 table.add_column(column, justify="right")

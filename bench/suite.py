@@ -3,12 +3,13 @@
 A scenario file (bench/scenarios/quick.toml, full.toml, or your own with --scenarios)
 lists what to run, fio-style: [suite] settings shared by every warm-up, one [[warmup]]
 table per dataset (each in the states it names: `cold`, verified cold before every
-method, or `warm`, heads verified resident: how fast is the skip), [ack] for the request
-path's acknowledgement latency against a msgpack echo floor, and [load] for a router-like
-load of many small requests from several clients at once.
+method, or `warm`, heads verified resident: how fast is the skip), [[tier]] tables for the
+same warm-up on a slow tier (bench/tiersim: a latency sweep, fetch slots; tier.py), [ack]
+for the request path's acknowledgement latency against a msgpack echo floor, and [load]
+for a router-like load of many small requests from several clients at once.
 
 The suite runs the scenarios through the single-purpose scripts beside it (warmup.py,
-ack_latency.py, load.py; each also runs alone), shows a progress bar, and writes to --out:
+tier.py, ack_latency.py, load.py; each also runs alone), shows a progress bar, and writes to --out:
 
   results.json        per scenario: settings, files, bytes, median wall time, GB/s,
                       files/s, consumer read and warm-up + consumer, latency percentiles,
@@ -16,6 +17,7 @@ ack_latency.py, load.py; each also runs alone), shows a progress bar, and writes
   raw/*.json          each script's own full results (every repetition, every check)
   throughput.png      warm-up and warm-up + consumer throughput per method and dataset
   latency_cdf.png     ack latency CDFs: daemon against the echo floor; router load
+  tier_latency.png    warm-up time on the slow tier against its latency, per method
   summary.md          the summary tables in Markdown (what the README quotes)
 
     bench/run --quick --out /tmp/bench-quick      # < 2 min, what CI runs
@@ -43,7 +45,11 @@ import datasets
 import plots
 import psutil
 import report
+import tier
+import tier_report
 import warmup
+
+import tiersim
 
 HERE = Path(__file__).resolve().parent
 SCENARIOS = HERE / "scenarios"
@@ -63,7 +69,7 @@ def load_scenarios(path: Path) -> dict[str, Any]:
     """Read and check a scenario file; every error names the table and key."""
     with open(path, "rb") as handle:
         spec = tomllib.load(handle)
-    unknown = set(spec) - {"suite", "warmup", "ack", "load"}
+    unknown = set(spec) - {"suite", "warmup", "tier", "ack", "load"}
     if unknown:
         raise ScenarioError(f"{path}: unknown tables {sorted(unknown)}")
     for table, keys in (("suite", SUITE_KEYS), ("ack", ACK_KEYS), ("load", LOAD_KEYS)):
@@ -81,6 +87,10 @@ def load_scenarios(path: Path) -> dict[str, Any]:
             raise ScenarioError(f"{where}: {error}") from None
         if bad := set(entry.get("states", ["cold"])) - set(STATES):
             raise ScenarioError(f"{where}: unknown states {sorted(bad)}; use {STATES}")
+    for index, entry in enumerate(spec.get("tier", [])):
+        where = f"{path}: [[tier]] #{index + 1}"
+        if errors := tier.check_table(entry, spec.get("suite", {}).get("reps", 3)):
+            raise ScenarioError(f"{where}: {'; '.join(errors)}")
     return spec
 
 
@@ -217,6 +227,12 @@ def run_suite(spec: dict[str, Any], name: str, base: Path, out: Path,
             label = f"warmup/{datasets.dataset(entry['dataset']).name}/{state}"
             units = args.reps * len(planned_methods(args))
             plans.append((label, _warmup_runner(label, args, raw_dir), units))
+    for entry in spec.get("tier", []) if want("tier") else []:
+        args = tier.parse_args(tier.table_argv(entry, suite.get("reps", 3), base,
+                                               raw_dir / "tmp"))
+        units = args.reps * len(tier.latencies(args)) * len(tier.method_list(args))
+        label = tier.table_label(entry)
+        plans.append((label, _tier_runner(label, args, raw_dir), units))
     if "ack" in spec and want("ack"):
         args = ack_latency.parse_args(ack_argv(spec["ack"], base, raw_dir / "tmp"))
         units = len(args.modes.split(",")) * len(args.sizes.split(","))
@@ -265,6 +281,22 @@ def _warmup_runner(label: str, args: argparse.Namespace,
     return run
 
 
+def _tier_runner(label: str, args: argparse.Namespace,
+                 raw_dir: Path) -> Callable[[Progress], dict[str, Any]]:
+    def run(progress: Progress) -> dict[str, Any]:
+        try:
+            raw = tier.run(args, lambda latency, method, rep: progress.step(
+                f"{label}: {latency:g} ms {method} #{rep + 1}"))
+        except tiersim.FuseUnavailable as error:
+            if tiersim.fuse_required():  # CI: FUSE must work there
+                raise
+            return tier_report.skipped(label, str(error))
+        path = raw_dir / (label.replace("/", "-") + ".json")
+        path.write_text(json.dumps(raw, indent=1) + "\n")
+        return tier_report.scenario(label, raw, path.relative_to(raw_dir.parent))
+    return run
+
+
 def _ack_runner(args: argparse.Namespace, raw_dir: Path) -> Callable[[Progress], dict[str, Any]]:
     def run(progress: Progress) -> dict[str, Any]:
         raw = ack_latency.run(args, lambda mode, size: progress.step(f"ack: {mode} {size}"))
@@ -300,7 +332,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--base", type=Path, default=None,
                         help="where datasets live (default: /var/tmp/kvbench for --full, "
                         "OUT/data otherwise, removed afterwards)")
-    parser.add_argument("--only", default="", help="comma list of kinds: warmup,ack,load")
+    parser.add_argument("--only", default="",
+                        help="comma list of kinds: warmup,tier,ack,load")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return parser.parse_args(argv)
 

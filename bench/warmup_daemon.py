@@ -8,7 +8,7 @@ through the `kvprefetch` client when it is importable, else the raw speaker.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ class EngineDaemon:
     workers: int
     daemon: Daemon
     worker_pids: list[int]
+    running: str = ""  # the engine the daemon reports running (what "auto" chose)
 
     @property
     def socket(self) -> str:
@@ -51,15 +52,18 @@ class EngineDaemon:
 
 
 def start_engine_daemon(engine: str, root: Path, head: int, files: int, workers: int,
-                        workdir: Path, logdir: Path, *, dedup: bool = True) -> EngineDaemon:
+                        workdir: Path, logdir: Path, *, dedup: bool = True,
+                        name: str = "", extra: Mapping[str, Any] | None = None) -> EngineDaemon:
     """One daemon for one engine, configured so a whole set fits in its queues.
 
     queue_limit is per worker and 8192 by default: a burst of 20,000 files over two
     workers would drop ~1,800 files, which measures the queue, not the warm-up.
     dedup=False turns the worker's memory of recently warmed files off, so a request
     for resident files pays the real residency check every time (the warm state).
+    extra: further settings (warm_mode, residency, ...); name: the daemon's file names.
+    engine "auto" runs whatever the daemon chooses: `running` says what (from ping).
     """
-    name = f"{engine}-{workers}w"
+    name = name or f"{engine}-{workers}w"
     settings: dict[str, Any] = {
         "roots": [str(root)],
         "workers": workers,
@@ -69,14 +73,15 @@ def start_engine_daemon(engine: str, root: Path, head: int, files: int, workers:
         "queue_limit": max(8192, files + 1024),
         "max_paths_per_request": max(100_000, files),
         **({} if dedup else {"dedup_ttl_ms": 0}),
+        **(extra or {}),
     }
     daemon = start_config(workdir, settings, name=f"kvp-{name}",
                           log_path=logdir / f"daemon-{name}.log", new_session=True)
-    ping = daemon.call("ping")
-    if ping.get("engine") != engine:
+    running = str(daemon.call("ping").get("engine"))
+    if engine != "auto" and running != engine:
         daemon.stop()
-        raise RuntimeError(f"asked for engine {engine}, daemon runs {ping.get('engine')}")
-    return EngineDaemon(engine, workers, daemon, daemon.worker_pids())
+        raise RuntimeError(f"asked for engine {engine}, daemon runs {running}")
+    return EngineDaemon(engine, workers, daemon, daemon.worker_pids(), running)
 
 
 def make_prefetcher(kind: str) -> tuple[str, Prefetch]:

@@ -36,7 +36,7 @@ def kind(method: str) -> str:
         return "daemon"
     if method == BASELINE:
         return "baseline"
-    return "python" if method in tools.POOL_METHODS else "tool"
+    return "python" if tools.pool_threads(method) is not None else "tool"
 
 
 @dataclass
@@ -53,6 +53,8 @@ class Env:
     prefetch: Prefetch
     chunk_paths: int
     state: str = "cold"
+    vmtouch_whole: bool = False  # vmtouch -t of whole files instead of [0, head)
+    uring_depth: int = 128  # uring_heads -q
 
 
 def warm(env: Env, method: str) -> dict[str, Any]:
@@ -62,13 +64,14 @@ def warm(env: Env, method: str) -> dict[str, Any]:
         return warm_daemon(env.daemons[method], env.prefetch, env.paths, env.head,
                            env.chunk_paths, env.state)
     if method == "vmtouch":
-        return tools.warm_vmtouch(env.list_file, env.head)
+        return tools.warm_vmtouch(env.list_file, None if env.vmtouch_whole else env.head)
     if method == "fio":
         assert env.fio_job is not None
         return tools.warm_fio(env.fio_job, files, env.head)
     if method == "uring_heads":
         assert env.uring_heads is not None
-        return tools.warm_uring_heads(env.uring_heads, env.list_file, files, env.head)
-    if method.startswith("pypool-"):
-        return tools.warm_pool(env.paths, env.head, int(method.split("-")[1]))
+        return tools.warm_uring_heads(env.uring_heads, env.list_file, files, env.head,
+                                      env.uring_depth)
+    if (threads := tools.pool_threads(method)) is not None:
+        return tools.warm_pool(env.paths, env.head, threads)
     raise ValueError(method)

@@ -23,8 +23,10 @@ from machine import children_cpu
 HERE = Path(__file__).resolve().parent
 URING_HEADS_SRC = HERE / "c" / "uring_heads.c"
 TOOL_METHODS = ("vmtouch", "fio", "uring_heads")
-POOL_METHODS = ("pypool-16", "pypool-32")
+POOL_METHODS = ("pypool-16", "pypool-32")  # the local-disk suite's; any pypool-N runs
+POOL_PREFIX = "pypool-"
 POOL_QUEUE = 256  # the seed's Go plugin design: a bounded queue of 256 in front of 16 workers
+POOL_STACK = 256 << 10  # per pool thread: 1,024 threads of 256 KiB, not of the default 8 MiB
 FIO_LINE_CHARS = 3900  # fio refuses an option value over 4096 chars (parse.c OPT_LEN_MAX)
 FIO_OPEN_FILES = 1024  # as the daemon's max_open_files and uring_heads -o; NOFILE is 20000 here
 
@@ -40,8 +42,16 @@ def run_tool(argv: list[str]) -> tuple[float, float, str]:
     return wall, children_cpu() - cpu0, done.stdout
 
 
-def warm_vmtouch(list_file: Path, head: int) -> dict[str, Any]:
-    wall, cpu, _ = run_tool(["vmtouch", "-t", "-q", "-p", f"0-{head}", "-b", str(list_file)])
+def pool_threads(method: str) -> int | None:
+    """The thread count of a pool method (pypool-N), None for any other method."""
+    count = method.removeprefix(POOL_PREFIX)
+    return int(count) if method.startswith(POOL_PREFIX) and count.isdigit() else None
+
+
+def warm_vmtouch(list_file: Path, head: int | None) -> dict[str, Any]:
+    """vmtouch -t of [0, head) of every file, or of whole files when head is None."""
+    span = ["-p", f"0-{head}"] if head is not None else []
+    wall, cpu, _ = run_tool(["vmtouch", "-t", "-q", *span, "-b", str(list_file)])
     return {"seconds": wall, "cpu_s": cpu, "detail": {}, "ok": True}
 
 
@@ -58,55 +68,83 @@ def warm_fio(job: Path, files: int, head: int) -> dict[str, Any]:
     }
 
 
-def warm_uring_heads(binary: Path, list_file: Path, files: int, head: int) -> dict[str, Any]:
+def warm_uring_heads(binary: Path, list_file: Path, files: int, head: int,
+                     depth: int = 128) -> dict[str, Any]:
     wall, cpu, out = run_tool([str(binary), "-f", str(list_file), "-m", "read",
-                               "-b", str(head), "-q", "128", "-R"])
+                               "-b", str(head), "-q", str(depth), "-R"])
     report = json.loads(out.strip().splitlines()[-1])
     return {"seconds": wall, "cpu_s": cpu, "detail": report,
             "ok": report.get("bytes") == files * head}
 
 
 def warm_pool(paths: Sequence[str], head: int, threads: int) -> dict[str, Any]:
-    """open + FADV_RANDOM + pread [0, head) + close, `threads` threads behind a queue of 256."""
+    """open + FADV_RANDOM + pread [0, head) + close, `threads` threads behind a queue of 256.
+
+    Real OS threads: CPython releases the GIL around os.open, os.posix_fadvise, os.preadv
+    and os.close (Modules/posixmodule.c, Py_BEGIN_ALLOW_THREADS), so 1,024 of them keep
+    1,024 reads in flight while the interpreter runs whichever thread has work. The pool
+    is standing when the clock starts, as the daemon's threads are: starting 1,024 threads
+    takes longer than a warm-up of 200 files on a fast tier.
+    """
     jobs: queue.Queue[str | None] = queue.Queue(maxsize=POOL_QUEUE)
     done = [0] * threads
     chunk = min(head, 1 << 20)
+    # Written once here, so the clock does not count first-touch faults of 1,024 buffers
+    # (a standing pool's buffers are as warm as the daemon's).
+    views = [memoryview(bytearray(b"\1" * chunk)) for _ in range(threads)]
+
+    def warm_one(path: str, slot: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # counted short: its head's bytes never add up
+        try:
+            # FADV_RANDOM: read exactly the head, not a readahead window (mm/readahead.c)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            offset = 0
+            while offset < head:
+                n = os.preadv(fd, [views[slot][: min(chunk, head - offset)]], offset)
+                if n <= 0:
+                    break
+                offset += n
+            done[slot] += offset
+        except OSError:
+            pass  # an EIO from a failing tier: short, as above; the pool carries on
+        finally:
+            os.close(fd)
 
     def worker(slot: int) -> None:
-        view = memoryview(bytearray(chunk))
         while (path := jobs.get()) is not None:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                # FADV_RANDOM: read exactly the head, not a readahead window (mm/readahead.c)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                offset = 0
-                while offset < head:
-                    n = os.preadv(fd, [view[: min(chunk, head - offset)]], offset)
-                    if n <= 0:
-                        break
-                    offset += n
-                done[slot] += offset
+                warm_one(path, slot)
             finally:
-                os.close(fd)
+                jobs.task_done()
 
+    previous = threading.stack_size(POOL_STACK)
+    try:
+        pool = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
+        for thread in pool:
+            thread.start()  # returns once the thread runs: it now waits on the queue
+    finally:
+        threading.stack_size(previous)
     cpu0 = time.process_time()
     started = time.perf_counter()
-    pool = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
-    for thread in pool:
-        thread.start()
     for path in paths:
         jobs.put(path)
+    jobs.join()  # every head read: the warm-up is over (stopping the pool is not part of it)
+    wall = time.perf_counter() - started
     for _ in pool:
         jobs.put(None)
     for thread in pool:
         thread.join()
-    wall = time.perf_counter() - started
     return {"seconds": wall, "cpu_s": time.process_time() - cpu0,
-            "detail": {"bytes": sum(done)}, "ok": sum(done) == len(paths) * head}
+            "detail": {"bytes": sum(done), "threads": threads},
+            "ok": sum(done) == len(paths) * head}
 
 
-def fio_jobfile(paths: Sequence[str], head: int, directory: Path, out: Path) -> Path:
-    """One job reading [0, head) of every file.
+def fio_jobfile(paths: Sequence[str], head: int, directory: Path, out: Path,
+                iodepth: int = 128) -> Path:
+    """One job reading [0, head) of every file, `iodepth` reads in flight.
 
     fio caps an option value at 4096 chars, so the ':'-separated list is split over
     several `filename=` lines in the same section: each line adds its files to the
@@ -130,7 +168,7 @@ def fio_jobfile(paths: Sequence[str], head: int, directory: Path, out: Path) -> 
     out.write_text("\n".join([
         "[global]",
         "ioengine=io_uring",
-        "iodepth=128",
+        f"iodepth={iodepth}",
         f"bs={min(head, 1 << 20)}",
         "rw=read",
         f"filesize={head}",

@@ -4,7 +4,9 @@ The quick suite's figures are noise (tiny sets, one repetition, DONTNEED instead
 drop_caches); what must hold is that every scenario ran, every method either ran clean
 or says why it was skipped, the arithmetic is consistent (bytes = files x head, ratios
 of a reference to itself are 1, percentiles ordered, CDFs monotone), nothing was dropped
-or lost, and the plots are real PNGs.
+or lost, and the plots are real PNGs. The slow tier (bench/tiersim) runs where FUSE can
+be used; elsewhere its scenario says why not, and with KVPREFETCH_REQUIRE_FUSE=1 (CI)
+not being able to mount fails the run.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from typing import Any
 import datasets
 import pytest
 import suite
+import tier
+import tier_methods
 import warmup
+
+import tiersim
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -47,7 +53,8 @@ def test_every_scenario_of_the_quick_file_ran(quick: tuple[dict[str, Any], Path]
     results, _ = quick
     spec = suite.load_scenarios(BENCH / "scenarios" / "quick.toml")
     expected = [f"warmup/{datasets.dataset(w['dataset']).name}/{state}"
-                for w in spec["warmup"] for state in w["states"]] + ["ack", "load"]
+                for w in spec["warmup"] for state in w["states"]]
+    expected += [tier.table_label(t) for t in spec["tier"]] + ["ack", "load"]
     assert [s["name"] for s in results["scenarios"]] == expected
     assert results["suite"] == "quick" and results["seconds"] > 0
     assert results["machine"]["cpus"] >= 1
@@ -112,6 +119,72 @@ def test_the_raw_daemon_runs_read_or_skip_every_file(quick: tuple[dict[str, Any]
                     assert counted.get("read", 0) <= max(1, 0.03 * files), (method, counted)
 
 
+def tier_scenarios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The slow tier's scenarios that ran; a skip (with its reason) where FUSE cannot be used."""
+    scenarios = [s for s in results["scenarios"] if s["kind"] == "tier"]
+    assert scenarios
+    for scenario in scenarios:
+        if scenario["status"].startswith("skipped: "):
+            assert not tiersim.fuse_required(), scenario["status"]
+            pytest.skip(f"slow tier: {scenario['status']}")
+        assert scenario["status"] == "ok", scenario["status"]
+    return scenarios
+
+
+def test_tier_scenarios_have_every_method_and_sane_figures(
+        quick: tuple[dict[str, Any], Path]) -> None:
+    results, _ = quick
+    for scenario in tier_scenarios(results):
+        s = scenario["settings"]
+        assert [p["latency_ms"] for p in scenario["points"]] == s["latencies_ms"]
+        assert {d["residency"] for d in scenario["daemons"].values()} == {"tier"}
+        assert scenario["daemons"]["kvprefetchd-auto"]["engine"] == "auto"
+        for point in scenario["points"]:
+            assert set(point["methods"]) == set(tier_methods.METHODS), list(point["methods"])
+            for method, m in point["methods"].items():
+                if m["status"].startswith("skipped: "):
+                    assert method in ("fio", "vmtouch"), (method, m["status"])
+                    continue
+                assert m["status"] == "ok" and m["every_head_fetched"], (method, m)
+                assert m["files"] == s["files"] and m["bytes"] == s["files"] * s["head_bytes"]
+                if method == "none":
+                    assert m["wall_s"] is None and m["fetches"] == [0] * s["reps"]
+                    assert m["peak_in_flight"] == 0
+                    continue
+                assert finite(m["wall_s"]) and finite(m["files_s"]), method
+                assert m["wall_s_min"] <= m["wall_s"] <= m["wall_s_max"], method
+                assert finite(m["ratio_to_best_pool"]) and finite(m["ratio_to_fio"]), method
+                assert m["peak_in_flight"] > 0, method  # the quick point's latency is > 0
+                assert 0 < m["head_cached_fraction"] <= 1, method
+            pools = [point["methods"][p]["ratio_to_best_pool"] for p in tier_methods.TARGET_POOLS]
+            assert min(pools) == pytest.approx(1.0)  # the best pool is its own reference
+        for target in scenario["targets"]:
+            assert finite(target["ratio"]) and isinstance(target["met"], bool), target
+
+
+def test_tier_runs_fetch_every_head_exactly_once(quick: tuple[dict[str, Any], Path]) -> None:
+    """Per run, the simulator's fetches are the chunks the method had to bring (its heads,
+    or whole files for vmtouch; none for `none`), each file's st_blocks covers them, and
+    every daemon run read every file (the tier rule saw an evicted, block-less stub)."""
+    results, out = quick
+    for scenario in tier_scenarios(results):
+        raw = json.loads((out / scenario["raw"]).read_text())
+        files, size, head = raw["dataset"]["files"], raw["dataset"]["file_bytes"], raw["head_bytes"]
+        chunk = raw["tier"]["chunk_bytes"]
+        for point in raw["points"]:
+            for method, m in point["methods"].items():
+                for run in m.get("runs", []):
+                    span = 0 if method == "none" else size if method == "vmtouch" else head
+                    fetches = files * -(-min(span, size) // chunk)
+                    assert run["tier"]["fetches"] == run["expected_fetches"] == fetches, \
+                        (method, run["tier"])
+                    assert run["files_fetched"] == (files if span else 0), method
+                    assert run["tier"]["read_errors"] == 0 and run["tier"]["queued"] == 0
+                    if method.startswith("kvprefetchd-"):
+                        outcomes = {k: v for k, v in run["detail"]["outcomes"].items() if v}
+                        assert outcomes == {"read": files}, (method, outcomes)
+
+
 def test_ack_latency_percentiles_are_ordered(quick: tuple[dict[str, Any], Path]) -> None:
     results, _ = quick
     ack = next(s for s in results["scenarios"] if s["kind"] == "ack_latency")
@@ -145,7 +218,9 @@ def test_router_load_lost_nothing(quick: tuple[dict[str, Any], Path]) -> None:
 
 def test_plots_and_summary_are_written(quick: tuple[dict[str, Any], Path]) -> None:
     results, out = quick
-    assert results["plots"] == ["throughput.png", "latency_cdf.png"]
+    ran_tier = any(s["kind"] == "tier" and s["points"] for s in results["scenarios"])
+    assert results["plots"] == ["throughput.png", "latency_cdf.png",
+                                *(["tier_latency.png"] if ran_tier else [])]
     for name in results["plots"]:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
@@ -167,3 +242,20 @@ def test_a_scenario_file_with_an_unknown_key_is_refused_by_name(tmp_path: Path) 
     bad.write_text('[[warmup]]\ndataset = "10x1MiB"\nstates = ["tepid"]\n')
     with pytest.raises(suite.ScenarioError, match="unknown states"):
         suite.load_scenarios(bad)
+
+
+def test_a_tier_table_with_a_bad_key_method_or_dataset_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    for body, error in (('latency = [20]', r"\[\[tier\]\] #1: unknown keys \['latency'\]"),
+                        ('methods = ["kvprefetchd-turbo"]', "no engine 'turbo'"),
+                        ('methods = ["pypool-0"]', "pypool-0: 1-4096"),
+                        ('methods = ["cat"]', "cat: not a method"),
+                        ('head = "1MiB"', "larger than the files")):
+        bad.write_text(f'[[tier]]\ndataset = "10x512KiB"\n{body}\n')
+        with pytest.raises(suite.ScenarioError, match=error):
+            suite.load_scenarios(bad)
+    bad.write_text('[[tier]]\ndataset = "mixed:10"\n')
+    with pytest.raises(suite.ScenarioError, match="files of one size"):
+        suite.load_scenarios(bad)
+    bad.write_text('[[tier]]\ndataset = "10x512KiB"\nlatency_ms = 5\nmethods = "fio,none"\n')
+    assert suite.load_scenarios(bad)["tier"][0]["latency_ms"] == 5
