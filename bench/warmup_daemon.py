@@ -7,6 +7,8 @@ through the `kvprefetch` client when it is importable, else the raw speaker.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -74,6 +76,8 @@ def start_engine_daemon(engine: str, root: Path, head: int, files: int, workers:
         "max_paths_per_request": max(100_000, files),
         **({} if dedup else {"dedup_ttl_ms": 0}),
         **(extra or {}),
+        # For experiments: settings of the daemon's own, as a JSON map (bench/README.md).
+        **json.loads(os.environ.get("KVBENCH_DAEMON_SETTINGS") or "{}"),
     }
     daemon = start_config(workdir, settings, name=f"kvp-{name}",
                           log_path=logdir / f"daemon-{name}.log", new_session=True)

@@ -90,6 +90,9 @@ class Done:
     anonymous_bytes: int = 0
     latency_counts: list[int] = field(default_factory=list)  # per-file histogram, merged
     latency_sum: float = 0.0
+    # The queue engines' state now (not deltas), at most twice a second: threads, reads
+    # running and stalled, files timed out, and per root index [depth, service time us].
+    queue: dict[str, Any] = field(default_factory=dict)
 
 
 Message = Warm | Root | Ready | BootFailed | Done

@@ -22,6 +22,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvprefetchd.books import Books, Waiter
 from kvprefetchd.channel import (
@@ -75,6 +76,7 @@ class WorkerHandle:
     heard: float = field(default_factory=time.monotonic)
     handler: Callable[[int], None] | None = None  # its selector callback
     with_fds: deque[tuple[bytes, int]] = field(default_factory=deque)  # wait for output
+    queue: dict[str, Any] = field(default_factory=dict)  # its queue engines, as last said
     watched: int = selectors.EVENT_READ  # the selector events registered for it now
 
 
@@ -307,6 +309,8 @@ class WorkerPool:
                     if waiter is not None:
                         settled.append(waiter)
                 handle.counters.update(message.counters)
+                if message.queue:
+                    handle.queue = message.queue
                 self.books.settle_anonymous(handle.index, message.anonymous,
                                             message.anonymous_bytes)
                 self.file_latency.merge(message.latency_counts, message.latency_sum)

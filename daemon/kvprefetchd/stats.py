@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import cast
 
 import psutil
 
@@ -17,6 +18,7 @@ from kvprefetch.stats import (
     BoundStats,
     FileCounts,
     ProcessFigures,
+    QueueStats,
     Stats,
     WorkerStats,
 )
@@ -134,5 +136,6 @@ def worker_stats(handle: WorkerHandle, pool: WorkerPool) -> WorkerStats:
         "batches_other_mode": handle.counters["batches_other_mode"],
         "dedup_recent": handle.counters["dedup_recent"],
         "dedup_in_flight": handle.counters["dedup_in_flight"],
+        "queue": cast(QueueStats, handle.queue),
     }
     return figures

@@ -34,6 +34,7 @@ from kvprefetchd.channel import (
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
 from kvprefetchd.engines import EngineSpec, WarmEngines
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem
+from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 
@@ -50,6 +51,7 @@ EXIT_BOOT_FAILED = 3
 # the worker itself is stuck, which is what the supervisor's worker_timeout is for.
 TICK_SECONDS = 0.1
 HEARTBEAT_SECONDS = 1.0
+QUEUE_REPORT_SECONDS = 0.5  # the queue's state in a report, at most this often
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class Worker:
         }
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
         self.reported = time.monotonic()
+        self.queue_reported = 0.0
 
     @property
     def engine(self) -> Engine:
@@ -218,6 +221,25 @@ class Worker:
             self.poller.register(fd, select.POLLIN)
             self.watched.add(fd)
 
+    def queue_figures(self) -> dict[str, Any]:
+        """The queue engines' state, summed over warm modes; depth per root index."""
+        queues = [e for e in self.engines.built() if isinstance(e, QueueEngine)]
+        if not queues:
+            return {}
+        index_of = {fd: str(i) for i, fd in enumerate(self.root_fds) if fd >= 0}
+        figures: dict[str, Any] = {"threads": 0, "running": 0, "stalled": 0, "timed_out": 0,
+                                   "depth": {}}
+        for engine in queues:
+            now = engine.figures()
+            figures["threads"] += now.threads
+            figures["running"] += now.running
+            figures["stalled"] += now.stalled
+            figures["timed_out"] += now.timed_out
+            for fd, (depth, rtt_us) in now.depth.items():
+                if fd in index_of:
+                    figures["depth"][index_of[fd]] = [depth, rtt_us]
+        return figures
+
     def settle(self, completion: Completion) -> None:
         item = completion.item
         if completion.outcome in ("read", "resident"):
@@ -255,6 +277,10 @@ class Worker:
         self.reported = now
         counters = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
+        queue: dict[str, Any] = {}
+        if now - self.queue_reported >= QUEUE_REPORT_SECONDS:
+            self.queue_reported = now
+            queue = self.queue_figures()
         send_all_blocking(self.sock, Done(
             settled=self.outcomes,
             counters=counters,
@@ -262,6 +288,7 @@ class Worker:
             anonymous_bytes=self.anonymous_bytes,
             latency_counts=self.latency.counts,
             latency_sum=self.latency.sum,
+            queue=queue,
         ))
         self.outcomes = []
         self.anonymous.clear()

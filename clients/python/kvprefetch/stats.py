@@ -47,6 +47,17 @@ class WorkerStats(ProcessFigures):
     batches_other_mode: int  # of those, batches in a model profile's other warm mode
     dedup_recent: int  # files answered from the memory of heads warmed a moment ago
     dedup_in_flight: int  # files that joined a read already queued or running
+    queue: QueueStats  # the asynchronous queue's state, as last reported
+
+
+class QueueStats(TypedDict, total=False):
+    """The worker's queue engines (native/queue.c), empty before the first report."""
+
+    threads: int  # threads now (grown on demand up to max_in_flight)
+    running: int  # reads in flight
+    stalled: int  # reads running past the stall time (holding threads, not depth)
+    timed_out: int  # files settled `failed` at file_timeout since the worker started
+    depth: dict[str, list[int]]  # root index -> [reads in flight allowed, service time us]
 
 
 class FileCounts(TypedDict):

@@ -88,10 +88,8 @@ class Engine(Protocol):
         """Housekeeping a few times a second while files are out."""
 
 
-class BatchEngine:
-    """A native context for one row of C's engine table, fed a batch at a time."""
-
-    batched = True
+class NativeEngine:
+    """What both kinds hold: their names, settings, and the native module's outcome names."""
 
     def __init__(self, name: str, warm_mode: str, settings: EngineSettings) -> None:
         self.name = name
@@ -99,6 +97,15 @@ class BatchEngine:
         self.settings = settings
         self._native = load_native()
         self._outcome_names = self._native.outcome_names
+
+
+class BatchEngine(NativeEngine):
+    """A native context for one row of C's engine table, fed a batch at a time."""
+
+    batched = True
+
+    def __init__(self, name: str, warm_mode: str, settings: EngineSettings) -> None:
+        super().__init__(name, warm_mode, settings)
         self._done: list[Completion] = []
         ffi = self._native.ffi
         engine, mode = ffi.new("char[]", name.encode()), ffi.new("char[]", warm_mode.encode())

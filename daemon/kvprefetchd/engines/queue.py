@@ -17,11 +17,12 @@ from typing import Any
 from kvprefetchd.engines.base import (
     Completion,
     EngineSettings,
+    NativeEngine,
     WarmItem,
     native_batch,
     strerror,
 )
-from kvprefetchd.native import NativeUnavailable, load_native
+from kvprefetchd.native import NativeUnavailable
 
 REAP_AT_ONCE = 4096  # outcomes moved per native call; more are left for the next
 
@@ -38,17 +39,13 @@ class QueueFigures:
     depth: dict[int, tuple[int, int]]  # root fd -> (reads in flight allowed, service time us)
 
 
-class QueueEngine:
+class QueueEngine(NativeEngine):
     """A native queue: `take` hands it files, `reap` collects their outcomes."""
 
     batched = False  # files are taken as they come, not a batch at a time
 
     def __init__(self, name: str, warm_mode: str, settings: EngineSettings) -> None:
-        self.name = name
-        self.warm_mode = warm_mode
-        self.settings = settings
-        self._native = load_native()
-        self._outcome_names = self._native.outcome_names
+        super().__init__(name, warm_mode, settings)
         ffi, lib = self._native.ffi, self._native.lib
         config = ffi.new("struct kvp_queue_config *")
         config.advise = int(warm_mode == "advise")
