@@ -199,7 +199,7 @@ class KVService:
             if previous is None or previous[1] != result:
                 log.info("profile %s: discovered fingerprint %s", profile.name, result)
         else:
-            log.warning("profile %s: fingerprint discovery: %s", profile.name, result.message)
+            log.warning("profile %s: %s", profile.name, result.message)
         self._discovered[profile] = (time.monotonic(), result)
         self._discovered.move_to_end(profile)
         while len(self._discovered) > self.capacity:

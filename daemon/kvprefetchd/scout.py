@@ -71,8 +71,8 @@ class OpenRoot:
 
 
 @dataclass(frozen=True)
-class Discover:
-    """Find a `discover` profile's fingerprint folder under its root_dir."""
+class ProfileTask:
+    """A task over a profile's root_dir: refused unless that folder is beneath a root."""
 
     profile: kv.Profile
     roots: tuple[str, ...]
@@ -81,25 +81,34 @@ class Discover:
         if not real_path_beneath(self.profile.layout.root_dir, self.roots):
             return Failed("refused", not_beneath(self.profile))
         try:
-            return kv.discover_fingerprint(self.profile).fingerprint
+            return self.work()
         except kv.DiscoveryError as error:
-            return Failed("error", f"fingerprint discovery: {error}")
+            return Failed("error", f"{self.what}: {error}")
+
+    what = "profile task"
+
+    def work(self) -> Any:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class Scan:
+class Discover(ProfileTask):
+    """Find a `discover` profile's fingerprint folder under its root_dir."""
+
+    what = "fingerprint discovery"
+
+    def work(self) -> Any:
+        return kv.discover_fingerprint(self.profile).fingerprint
+
+
+@dataclass(frozen=True)
+class Scan(ProfileTask):
     """Every fingerprint folder of a profile's model, for the stale-profile detector."""
 
-    profile: kv.Profile
-    roots: tuple[str, ...]
+    what = "fingerprint scan"
 
-    def run(self) -> Any:
-        if not real_path_beneath(self.profile.layout.root_dir, self.roots):
-            return Failed("refused", not_beneath(self.profile))
-        try:
-            return kv.scan(self.profile)
-        except kv.DiscoveryError as error:
-            return Failed("error", str(error))
+    def work(self) -> Any:
+        return kv.scan(self.profile)
 
 
 Task = OpenRoot | Discover | Scan
