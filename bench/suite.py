@@ -116,11 +116,8 @@ def warmup_argv(suite: dict[str, Any], entry: dict[str, Any], state: str, base: 
 def planned_methods(args: argparse.Namespace) -> list[str]:
     """The methods warmup.run will try for these args (before skips): the progress total."""
     engines = [e for e in args.engines.split(",") if e]
-    methods = warmup.all_methods(engines, [int(w) for w in args.workers.split(",")])
-    if args.methods != "all":
-        wanted = set(args.methods.split(","))
-        methods = [m for m in methods if m in wanted]
-    return methods
+    known = warmup.all_methods(engines, [int(w) for w in args.workers.split(",")])
+    return warmup.chosen_methods(known, args.methods)
 
 
 def ack_argv(ack: dict[str, Any], base: Path, out: Path) -> list[str]:

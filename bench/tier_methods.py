@@ -111,6 +111,7 @@ def environment(paths: list[str], head: int, workdir: Path, fio_dir: Path, fio_d
     list_file.write_text("\n".join(paths) + "\n")
     return Env(paths=paths, head=head, workdir=workdir, list_file=list_file,
                fio_job=fio_jobfile(paths, head, fio_dir, workdir / "tier-heads.fio", fio_depth),
+               fio_direct_job=None,
                uring_heads=uring_heads, daemons=daemons, prefetch=prefetch,
                chunk_paths=chunk_paths, state="cold", vmtouch_whole=True,
                uring_depth=fio_depth)

@@ -15,6 +15,9 @@ What is compared, on the same files, in the same run:
   no readahead window (the default hint would be SEQUENTIAL: 2x the 8 MiB window).
   invalidate=0: the set is made cold by us and verified; invalidate=1 would add an
   fadvise(DONTNEED) per file to fio's time.
+- fio-direct: the device's ceiling, not a warmer: fio's job with direct=1 and iodepth=256
+  (O_DIRECT: no page cache, no readahead, the device queue full). No warmer can beat what
+  the disk serves; its `x fio` bounds every `x fio` target here. Caches nothing.
 - uring_heads: bench/c/uring_heads.c (when present), the hand-written liburing
   program: `-m read -b HEAD -q 128 -R` (1 MiB requests, FADV_RANDOM).
 - pypool-16 / pypool-32: a Python thread pool (16: the seed's Go plugin design, 16
@@ -71,9 +74,15 @@ import psutil
 from machine import disk_stat_path
 from warmup_daemon import EngineDaemon, make_prefetcher, start_engine_daemon
 from warmup_measure import measure
-from warmup_methods import ENGINES, Env, all_methods, daemon_method
+from warmup_methods import ENGINES, Env, all_methods, chosen_methods, daemon_method
 from warmup_summary import fmt, summarize, table
-from warmup_tools import availability, build_uring_heads, fio_jobfile
+from warmup_tools import (
+    DEVICE_REFERENCE,
+    DIRECT_DEPTH,
+    availability,
+    build_uring_heads,
+    fio_jobfile,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -140,15 +149,15 @@ def run(args: argparse.Namespace, on_run: OnRun | None = None) -> dict[str, Any]
         raise SystemExit("--head whole needs files of one size")
     engines = [e for e in args.engines.split(",") if e]
     worker_counts = [int(w) for w in str(args.workers).split(",") if w]
-    methods = all_methods(engines, worker_counts)
-    if args.methods != "all":
-        wanted = [m for m in args.methods.split(",") if m]
-        unknown = set(wanted) - set(methods)
-        if unknown:
-            raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {methods}")
-        methods = [m for m in methods if m in wanted]
+    known = all_methods(engines, worker_counts)
+    unknown = {m for m in args.methods.split(",") if m} - {"all", *known}
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {known}")
+    methods = chosen_methods(known, args.methods)
     args.out.mkdir(parents=True, exist_ok=True)
     skipped = {m: why for m in methods if (why := availability(m)) is not None}
+    if args.state == "warm" and DEVICE_REFERENCE in methods:
+        skipped[DEVICE_REFERENCE] = "the device's ceiling is a cold read; this set is warm"
     active = [m for m in methods if m not in skipped]
     client_kind, prefetch = make_prefetcher(args.client)
     sample = cold.sample(paths, args.residency_sample, args.seed)
@@ -175,6 +184,9 @@ def run(args: argparse.Namespace, on_run: OnRun | None = None) -> dict[str, Any]
             paths=paths, head=head, workdir=workdir, list_file=list_file,
             fio_job=fio_jobfile(paths, head, ds.model_dir, workdir / "heads.fio")
             if "fio" in active else None,
+            fio_direct_job=fio_jobfile(paths, head, ds.model_dir, workdir / "direct.fio",
+                                       iodepth=DIRECT_DEPTH, direct=True)
+            if DEVICE_REFERENCE in active else None,
             uring_heads=uring_heads,
             daemons=daemons, prefetch=prefetch, chunk_paths=args.chunk_paths,
             state=args.state)

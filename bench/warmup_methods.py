@@ -30,6 +30,15 @@ def all_methods(engines: Sequence[str], workers: Sequence[int] = (2,)) -> list[s
     return daemons + list(tools.TOOL_METHODS) + list(tools.POOL_METHODS) + [BASELINE]
 
 
+def chosen_methods(known: list[str], asked: str) -> list[str]:
+    """`asked` (comma-separated) in `known`'s order; "all" is every warmer, the device's
+    ceiling (not a warmer) only by name."""
+    if asked == "all":
+        return [m for m in known if m != tools.DEVICE_REFERENCE]
+    wanted = {m for m in asked.split(",") if m}
+    return [m for m in known if m in wanted]
+
+
 def kind(method: str) -> str:
     """daemon, baseline, python (a pool in this process) or tool (a child process)."""
     if method.startswith(DAEMON_PREFIX):
@@ -48,6 +57,7 @@ class Env:
     workdir: Path
     list_file: Path
     fio_job: Path | None
+    fio_direct_job: Path | None
     uring_heads: Path | None
     daemons: dict[str, EngineDaemon]
     prefetch: Prefetch
@@ -68,6 +78,9 @@ def warm(env: Env, method: str) -> dict[str, Any]:
     if method == "fio":
         assert env.fio_job is not None
         return tools.warm_fio(env.fio_job, files, env.head)
+    if method == tools.DEVICE_REFERENCE:
+        assert env.fio_direct_job is not None
+        return tools.warm_fio(env.fio_direct_job, files, env.head)
     if method == "uring_heads":
         assert env.uring_heads is not None
         return tools.warm_uring_heads(env.uring_heads, env.list_file, files, env.head,

@@ -22,7 +22,12 @@ from machine import children_cpu
 
 HERE = Path(__file__).resolve().parent
 URING_HEADS_SRC = HERE / "c" / "uring_heads.c"
-TOOL_METHODS = ("vmtouch", "fio", "uring_heads")
+TOOL_METHODS = ("vmtouch", "fio", "fio-direct", "uring_heads")
+# The device's own ceiling, not a warmer: O_DIRECT reads of the same heads, 256 in flight (the
+# device queue), so no page cache and no readahead. No warmer beats what the disk serves: its
+# ratio to fio says how far any "x fio" target can go on this machine.
+DEVICE_REFERENCE = "fio-direct"
+DIRECT_DEPTH = 256
 POOL_METHODS = ("pypool-16", "pypool-32")  # the local-disk suite's; any pypool-N runs
 POOL_PREFIX = "pypool-"
 POOL_QUEUE = 256  # the seed's Go plugin design: a bounded queue of 256 in front of 16 workers
@@ -143,7 +148,7 @@ def warm_pool(paths: Sequence[str], head: int, threads: int) -> dict[str, Any]:
 
 
 def fio_jobfile(paths: Sequence[str], head: int, directory: Path, out: Path,
-                iodepth: int = 128) -> Path:
+                iodepth: int = 128, direct: bool = False) -> Path:
     """One job reading [0, head) of every file, `iodepth` reads in flight.
 
     fio caps an option value at 4096 chars, so the ':'-separated list is split over
@@ -172,7 +177,7 @@ def fio_jobfile(paths: Sequence[str], head: int, directory: Path, out: Path,
         f"bs={min(head, 1 << 20)}",
         "rw=read",
         f"filesize={head}",
-        "direct=0",
+        f"direct={int(direct)}",
         "invalidate=0",
         "fadvise_hint=random",
         "thread=1",
@@ -196,7 +201,7 @@ def availability(method: str) -> str | None:
     """None when a method can run here, else the reason it is skipped."""
     if method == "vmtouch" and not shutil.which("vmtouch"):
         return "vmtouch not found on PATH"
-    if method == "fio" and not shutil.which("fio"):
+    if method in ("fio", DEVICE_REFERENCE) and not shutil.which("fio"):
         return "fio not found on PATH"
     if method == "uring_heads":
         if not URING_HEADS_SRC.exists():
