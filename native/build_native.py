@@ -24,8 +24,10 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import sysconfig
 import tempfile
+import warnings
 
 from cffi import FFI
 
@@ -85,6 +87,16 @@ with open(os.path.join(_HERE, "kvprefetch.h")) as _f:
     _HEADER = _f.read()
 
 _URING = have_liburing()
+if not _URING and os.environ.get("KVP_NO_LIBURING", "") in ("", "0"):
+    # pip shows a build's output only with -v, so say it on stderr and as a warning too: a
+    # daemon built this way serves (pread, fadvise), but `--engine io_uring` is refused.
+    _NO_URING = (
+        "kvprefetchd: liburing NOT FOUND (no -luring, no <liburing.h>): building WITHOUT the "
+        "io_uring engine. Install liburing-dev (Debian/Ubuntu) or liburing-devel and rebuild, "
+        "or set KVP_NO_LIBURING=1 to build without it on purpose."
+    )
+    sys.stderr.write("\n" + "!" * 78 + "\n" + _NO_URING + "\n" + "!" * 78 + "\n\n")
+    warnings.warn(_NO_URING, stacklevel=1)
 
 ffibuilder = FFI()
 ffibuilder.cdef(cdef_source(_HEADER))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,10 +28,37 @@ EXIT_CONFIG = 2
 EXIT_HALTED = 1
 
 
+METRICS_ENV = "KVPREFETCHD_METRICS"
+
+USAGE_TAIL = f"""\
+commands:
+  kvprefetchd [FLAGS]             serve (the default): flags override the config file
+  kvprefetchd install-systemd     install the units, the example config and the system user
+                                  (see `kvprefetchd install-systemd --help`)
+
+Flags override the config file (--config), which overrides the built-in defaults: run with
+no config and no flags, it serves on $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR or /tmp, root
+/tmp/shared-kv. Every other setting is a config key (systemd/config.example.toml).
+
+environment:
+  {METRICS_ENV}=ADDR   as --metrics (the flag wins)
+  RUNTIME_DIRECTORY, XDG_RUNTIME_DIR
+                        where the default socket goes (the first that is set, else /tmp)
+  LISTEN_FDS, LISTEN_PID, NOTIFY_SOCKET, WATCHDOG_USEC, JOURNAL_STREAM
+                        set by systemd: socket activation, readiness and watchdog, and
+                        journal priority prefixes on log lines
+  KVP_NO_LIBURING=1     (at build time) build without the io_uring engine
+
+exit status: 0 stopped cleanly, 1 could not serve (the log says why), 2 bad configuration.
+"""
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvprefetchd",
         description="Warm the heads of KV-cache files on request, over a Unix socket.",
+        epilog=USAGE_TAIL,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
     parser.add_argument("--socket", metavar="PATH", help="Unix socket to listen on")
@@ -41,10 +69,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--workers", type=int, metavar="N", help="worker processes (0: one per CPU)"
     )
-    parser.add_argument("--engine", choices=ENGINES)
-    parser.add_argument("--warm-mode", choices=WARM_MODES, dest="warm_mode")
-    parser.add_argument("--read-bytes", type=int, metavar="N", dest="read_bytes")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, dest="log_level")
+    parser.add_argument(
+        "--engine", choices=ENGINES,
+        help="how workers read (auto: the queue of pread threads for read, fadvise for advise)",
+    )
+    parser.add_argument(
+        "--warm-mode", choices=WARM_MODES, dest="warm_mode",
+        help="read: read every head (what promotes a file on a tier); advise: hint the kernel",
+    )
+    parser.add_argument(
+        "--read-bytes", type=int, metavar="N", dest="read_bytes",
+        help="bytes warmed from the start of each file (a request may ask for fewer)",
+    )
+    parser.add_argument(
+        "--metrics", metavar="ADDR",
+        help='serve Prometheus metrics on ADDR: "127.0.0.1:9464", "[::1]:9464" or '
+             f'"unix:/PATH" (default: ${METRICS_ENV}, else the config, else off)',
+    )
+    parser.add_argument("--log-level", choices=LOG_LEVELS, dest="log_level",
+                        help="debug shows every refused path")
     parser.add_argument("--version", action="version", version=f"kvprefetchd {__version__}")
     return parser.parse_args(argv)
 
@@ -66,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("warm_mode", args.warm_mode),
             ("read_bytes", args.read_bytes),
             ("log_level", args.log_level),
+            ("metrics", args.metrics if args.metrics is not None else os.environ.get(METRICS_ENV)),
         )
         if value is not None
     }

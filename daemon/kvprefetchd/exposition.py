@@ -1,4 +1,5 @@
-"""The Prometheus text exposition (format 0.0.4) of a `stats` reply.
+"""The Prometheus exposition of a `stats` reply: text format 0.0.4, or OpenMetrics 1.0 when
+the scraper asks for it (Accept: application/openmetrics-text).
 
 Built with prometheus_client from a collector over a private registry, fed the very
 `Stats` the `stats` op returns: the page says exactly what the op says, with no second
@@ -12,7 +13,7 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -20,6 +21,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.registry import Collector
 
 from kvprefetch.stats import (
@@ -32,14 +34,19 @@ from kvprefetch.stats import (
     WorkerStats,
 )
 
-# The exposition format generate_latest() writes (prometheus_client 0.20+ also
-# knows 1.0.0, but 0.0.4 is what every scraper parses and what we emit).
+# The text format generate_latest() writes: what every scraper parses, the default.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = openmetrics_exposition.CONTENT_TYPE_LATEST
 
-def render(stats: Stats) -> bytes:
-    """The text exposition of one `stats` reply."""
+def render(stats: Stats, *, openmetrics: bool = False) -> bytes:
+    """The exposition of one `stats` reply, and Prometheus's standard process_* metrics of
+    the supervisor (the process that serves the scrape: prometheus_client reads its /proc)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats))
+    ProcessCollector(registry=registry)
+    if openmetrics:
+        body: bytes = openmetrics_exposition.generate_latest(registry)  # type: ignore[no-untyped-call]
+        return body
     return generate_latest(registry)
 
 
@@ -85,7 +92,7 @@ def _identity(stats: Stats) -> Iterator[Metric]:
     for root in stats["roots"]:
         roots.add_metric([], {"root": root["root"], "fstype": root["fstype"], "rule": root["rule"]})
     yield roots
-    yield from _process("kvprefetchd_supervisor", "The supervisor", [], [stats["supervisor"]])
+    # The supervisor's own figures are the standard process_* metrics (render()).
 
 
 def _requests(requests: Mapping[str, int], events: Mapping[str, int]) -> Iterator[Metric]:
@@ -128,8 +135,6 @@ def _files(files: FileCounts, stats: Stats) -> Iterator[Metric]:
     yield outcomes
     yield _single("kvprefetchd_files_accepted", "Files queued to a worker.", "counter",
                   files["accepted"])
-    yield _single("kvprefetchd_dropped", "Files dropped because their worker's queue was full.",
-                  "counter", files["dropped"])
     yield _single(
         "kvprefetchd_expired_replies",
         "Wait requests answered at their timeout before every file had an outcome.", "counter",

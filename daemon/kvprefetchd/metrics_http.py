@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvprefetchd.config import MetricsAddress, parse_metrics_address
-from kvprefetchd.exposition import CONTENT_TYPE
+from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from kvprefetchd.server import ACCEPT_REST, accept_ready, listen_unix, out_of_fds
 
 log = logging.getLogger("kvprefetchd.metrics")
@@ -83,7 +83,7 @@ class MetricsServer:
     def __init__(
         self,
         listener: socket.socket,
-        get_body: Callable[[], bytes],
+        get_body: Callable[[bool], bytes],  # True: OpenMetrics, False: text 0.0.4
         *,
         unlink_path: str | None = None,
         max_header_bytes: int = MAX_HEADER_BYTES,
@@ -107,7 +107,7 @@ class MetricsServer:
 
     @classmethod
     def open(
-        cls, address: str | MetricsAddress, get_body: Callable[[], bytes], **options: Any
+        cls, address: str | MetricsAddress, get_body: Callable[[bool], bytes], **options: Any
     ) -> MetricsServer:
         """Bind `address` (the `metrics` setting) and serve it; a Unix socket goes on close."""
         where = address if isinstance(address, MetricsAddress) else parse_metrics_address(address)
@@ -235,15 +235,17 @@ class MetricsServer:
             self.counts["not_found"] += 1
             self._respond(client, 404, b"not found: try /metrics\n")
             return
+        openmetrics = wants_openmetrics(head)
         try:
-            body = self.get_body()
+            body = self.get_body(openmetrics)
         except Exception:  # a bug in the figures must cost one scrape, never the daemon
             log.exception("metrics: rendering failed")
             self._respond(client, 500, b"rendering the metrics failed; see the daemon's log\n")
             return
         self.counts["served"] += 1
+        content_type = OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE
         self._respond(
-            client, 200, body, content_type=CONTENT_TYPE.encode(), head_only=method == b"HEAD"
+            client, 200, body, content_type=content_type.encode(), head_only=method == b"HEAD"
         )
 
     def _respond(
@@ -308,3 +310,13 @@ def _header_end(buffer: bytearray) -> int:
     lf = buffer.find(b"\n\n")
     ends = [i + n for i, n in ((crlf, 4), (lf, 2)) if i >= 0]
     return min(ends) if ends else -1
+
+
+def wants_openmetrics(head: bytes) -> bool:
+    """Whether the request's Accept header asks for OpenMetrics (as Prometheus does when
+    scrape_protocols lists it); anything else gets the text format every scraper parses."""
+    for line in head.split(b"\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"accept":
+            return b"application/openmetrics-text" in value.lower()
+    return False

@@ -102,13 +102,18 @@ class Supervisor:
             self.server.start_accepting()
             if self.config.metrics:
                 self.metrics = MetricsServer.open(
-                    self.config.metrics, lambda: exposition.render(self.stats())
+                    self.config.metrics,
+                    lambda openmetrics: exposition.render(self.stats(), openmetrics=openmetrics),
                 )
                 self.metrics.attach(self.selector)
             workers = len(self.pool.workers)
             systemd.ready(f"serving on {self.config.socket} with {workers} workers")
-            log.info("serving on %s with %d workers (pid %d)",
-                     self.config.socket, workers, os.getpid())
+            # The engine the workers actually chose (auto, or a fallback), and where metrics
+            # are, so an operator's first look at the log answers both.
+            log.info("serving on %s with %d workers (pid %d), engine %s, warm mode %s, "
+                     "metrics %s", self.config.socket, workers, os.getpid(),
+                     self.pool.engine_name, self.config.warm_mode,
+                     f"on {self.config.metrics}" if self.config.metrics else "off")
             self.serving = True
             while not self.stopping:
                 self.run_once(self.next_timeout())

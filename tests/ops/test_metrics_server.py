@@ -17,11 +17,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from stats_sample import realistic_stats
 
 from kvprefetchd.config import MetricsAddress, MetricsAddressError, parse_metrics_address
-from kvprefetchd.exposition import CONTENT_TYPE, render
+from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, render
 from kvprefetchd.metrics_http import MetricsServer, open_metrics_listener
 from kvprefetchd.server import ACCEPT_REST
 
@@ -107,7 +110,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def tcp_loop(clock: Clock) -> Iterator[Loop]:
-    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda: BODY, clock=clock)
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY, clock=clock)
     loop = Loop(server)
     yield loop
     loop.close()
@@ -130,7 +133,7 @@ def test_get_metrics_over_tcp_answers_200_with_the_body(tcp_loop: Loop) -> None:
 def test_a_real_render_is_served_and_parses(clock: Clock) -> None:
     server = MetricsServer(
         open_metrics_listener("127.0.0.1:0"),
-        lambda: render(realistic_stats()),
+        lambda openmetrics: render(realistic_stats(), openmetrics=openmetrics),
         clock=clock,
     )
     loop = Loop(server)
@@ -141,6 +144,34 @@ def test_a_real_render_is_served_and_parses(clock: Clock) -> None:
     assert code == 200
     names = {f.name for f in text_string_to_metric_families(body.decode())}
     assert {"kvprefetchd_requests", "kvprefetchd_queue_depth", "kvprefetchd_wait_seconds"} <= names
+    # The supervisor's figures are Prometheus's standard process metrics, not home-made names;
+    # and a dropped file is counted once, as files{outcome="dropped"}.
+    assert {"process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds"} <= names
+    assert not {n for n in names if n.startswith("kvprefetchd_supervisor_")}
+    assert "kvprefetchd_dropped" not in names
+
+
+def test_openmetrics_is_served_when_the_scraper_asks_for_it(clock: Clock) -> None:
+    server = MetricsServer(
+        open_metrics_listener("127.0.0.1:0"),
+        lambda openmetrics: render(realistic_stats(), openmetrics=openmetrics),
+        clock=clock,
+    )
+    loop = Loop(server)
+    asks = (b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0;"
+            b"q=0.5,text/plain;version=0.0.4;q=0.4\r\n\r\n")
+    try:
+        code, headers, body = split(exchange(loop, asks))
+        plain_code, plain_headers, plain = split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))
+    finally:
+        loop.close()
+    assert code == 200 and headers["content-type"] == OPENMETRICS_CONTENT_TYPE
+    assert headers["content-type"].startswith("application/openmetrics-text")
+    assert body.endswith(b"# EOF\n")  # OpenMetrics' terminator; the text format has none
+    names = {f.name for f in openmetrics_families(body.decode())}
+    assert {"kvprefetchd_requests", "kvprefetchd_files"} <= names
+    assert plain_code == 200 and plain_headers["content-type"] == CONTENT_TYPE
+    assert not plain.endswith(b"# EOF\n")
 
 
 @pytest.mark.parametrize(
@@ -198,7 +229,7 @@ def test_a_header_over_8_kib_is_431(tcp_loop: Loop) -> None:
 def test_a_failing_body_costs_one_500_not_the_server(clock: Clock) -> None:
     calls = []
 
-    def body() -> bytes:
+    def body(_openmetrics: bool) -> bytes:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a bug in the figures")
@@ -214,7 +245,7 @@ def test_a_failing_body_costs_one_500_not_the_server(clock: Clock) -> None:
 
 def test_a_large_body_is_written_across_many_writable_events(clock: Clock) -> None:
     big = b"kvprefetchd_x 1\n" * 200_000  # 3.2 MB: more than one socket buffer
-    loop = Loop(MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda: big, clock=clock))
+    loop = Loop(MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: big, clock=clock))
     try:
         code, headers, body = split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))
     finally:
@@ -252,7 +283,7 @@ def test_a_slow_or_silent_client_is_closed_at_its_deadline(
 
 def test_clients_beyond_the_limit_are_closed_at_once(clock: Clock) -> None:
     server = MetricsServer(
-        open_metrics_listener("127.0.0.1:0"), lambda: BODY, clock=clock, max_clients=1
+        open_metrics_listener("127.0.0.1:0"), lambda _om: BODY, clock=clock, max_clients=1
     )
     loop = Loop(server)
     try:
@@ -292,7 +323,7 @@ def test_serving_starts_no_thread(tcp_loop: Loop) -> None:
 
 def test_a_unix_socket_serves_and_is_removed_on_close(tmp_path: Path, clock: Clock) -> None:
     path = tmp_path / "run" / "metrics.sock"
-    server = MetricsServer.open(f"unix:{path}", lambda: BODY, clock=clock)
+    server = MetricsServer.open(f"unix:{path}", lambda _openmetrics: BODY, clock=clock)
     loop = Loop(server)
     assert stat.S_IMODE(path.stat().st_mode) == 0o660
     assert split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))[2] == BODY
@@ -315,7 +346,7 @@ def _ipv6_loopback() -> bool:
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
 def test_ipv6_loopback(clock: Clock) -> None:
-    loop = Loop(MetricsServer.open("[::1]:0", lambda: BODY, clock=clock))
+    loop = Loop(MetricsServer.open("[::1]:0", lambda _openmetrics: BODY, clock=clock))
     try:
         assert loop.server.listener.family == socket.AF_INET6
         assert split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))[0] == 200

@@ -2,9 +2,9 @@
 
 An installation method puts the daemon, the units, the config and the `kvprefetchd`
 account in place, and says where the client CLI is. Today there is one, the README's
-"Install as a systemd service": `pip install .` from the checked-out tree into a venv,
-then `kvprefetchd install-systemd`. A .deb (issue 15, item 4) will be a second class with
-the same `install()`; the tests run against whichever the fixture picks.
+"Install as a systemd service": `pip install ./clients/python .` from the checked-out tree
+into a venv, then `kvprefetchd install-systemd`. A .deb (issue 15, item 4) will be a second
+class with the same `install()`; the tests run against whichever the fixture picks.
 
 What happens after any method is the same and lives in the tests: `systemctl
 daemon-reload && systemctl enable --now kvprefetchd.socket`, as the README says.
@@ -16,6 +16,7 @@ manylinux x86_64) and installed with --no-index --find-links.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -74,9 +75,15 @@ def tree_files(repo: Path = REPO) -> list[str]:
 
 
 def requirements(repo: Path = REPO) -> list[str]:
-    """What `pip install .` needs: the build system's requirements and the run-time ones."""
-    project = tomllib.loads((repo / "pyproject.toml").read_text())
-    return [*project["build-system"]["requires"], *project["project"]["dependencies"]]
+    """What `pip install ./clients/python .` needs: the build systems' requirements and the
+    daemon's run-time ones (setup.py's, as the installed metadata lists them), less the
+    client, which comes from the tree."""
+    build = [*tomllib.loads((repo / "pyproject.toml").read_text())["build-system"]["requires"],
+             *tomllib.loads((repo / "clients/python/pyproject.toml").read_text())
+             ["build-system"]["requires"]]
+    runtime = [r for r in importlib.metadata.requires("kvprefetchd") or []
+               if "extra ==" not in r and not r.startswith("kvprefetch=")]
+    return sorted(set(build)) + runtime
 
 
 def download_wheels(dest: Path, log: Path) -> list[str]:
@@ -110,7 +117,8 @@ class PipInstall:
     and /opt because the unit hides /home and /root (install.py warns about those).
     """
 
-    name = "pip install . (venv in /opt/kvprefetchd) + kvprefetchd install-systemd"
+    name = ("pip install ./clients/python . (venv in /opt/kvprefetchd) + kvprefetchd "
+            "install-systemd")
     venv = "/opt/kvprefetchd"
     source = "/root/src"
     wheels = "/root/wheels"
@@ -132,7 +140,8 @@ class PipInstall:
         container.run(["python3", "-m", "venv", self.venv])
         pip = [f"{self.venv}/bin/pip", "install", "--no-index", "--find-links", self.wheels,
                "--disable-pip-version-check", "--quiet"]
-        container.run(["sh", "-ec", f"cd {self.source} && exec \"$@\"", "pip", *pip, "."],
+        container.run(["sh", "-ec", f"cd {self.source} && exec \"$@\"", "pip", *pip,
+                       "./clients/python", "."],
                       timeout=600)
         result = container.run([f"{self.venv}/bin/kvprefetchd", "install-systemd"])
         expected = f"ExecStart={self.venv}/bin/kvprefetchd"

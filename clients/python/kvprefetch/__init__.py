@@ -1,6 +1,8 @@
 """Client for kvprefetchd, speaking only its wire protocol (never importing the daemon), so
 it stays honest about the contract in docs/protocol.md."""
 
+__version__ = "0.2.0"  # released with kvprefetchd of the same version
+
 from kvprefetch.aio import AsyncClient
 from kvprefetch.client import Client
 from kvprefetch.errors import (

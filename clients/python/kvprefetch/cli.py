@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from kvprefetch import __version__
 from kvprefetch.client import Client
 from kvprefetch.errors import ConnectFailed, KVPrefetchError, ServerError
 from kvprefetch.protocol import DEFAULT_SOCKET, Outcome, Path, wire_path
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the exit-code lines
     )
+    parser.add_argument("--version", action="version", version=f"kvprefetch {__version__}")
     parser.add_argument(
         "--socket",
         default=None,
