@@ -1,0 +1,137 @@
+"""deploy/kubernetes and the Containerfile, checked offline: every manifest against the
+Kubernetes API schemas (kubernetes-validate, strict: unknown fields fail), and against each
+other and the daemon: the kustomizations list what is there, the ConfigMap is a config the
+daemon accepts, probes ping the socket that config serves, ports, labels, image tag and user
+agree with the Containerfile and the version."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import kvprefetchd
+from kvprefetchd.config import build_config, parse_metrics_address
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "kubernetes"
+MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml")
+VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
+NO_SCHEMA = {"PodMonitor"}  # a CRD of the Prometheus Operator: checked by hand below
+
+
+def load(path: Path) -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load(path.read_text())
+    return document
+
+
+def pods() -> list[tuple[Path, dict[str, Any]]]:
+    """(file, pod spec) of every workload."""
+    found = []
+    for path in MANIFESTS:
+        document = load(path)
+        if document["kind"] in ("DaemonSet", "Deployment"):
+            found.append((path, document["spec"]["template"]["spec"]))
+    return found
+
+
+def daemon_container(spec: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = next(c for c in spec["containers"] if c["name"] == "kvprefetchd")
+    return container
+
+
+def configmap_config() -> Any:
+    document = load(DEPLOY / "configmap.yaml")
+    return build_config(tomllib.loads(document["data"]["config.toml"]), {})
+
+
+@pytest.mark.parametrize("path", [p for p in MANIFESTS if load(p)["kind"] not in NO_SCHEMA],
+                         ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_each_manifest_passes_the_api_schema_strictly(path: Path) -> None:
+    done = subprocess.run([VALIDATE, "--strict", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "passed" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_the_validator_refuses_an_unknown_field(tmp_path: Path) -> None:
+    """The check above can fail: a misspelt field is caught."""
+    broken = (DEPLOY / "daemonset.yaml").read_text().replace("readOnlyRootFilesystem",
+                                                             "readOnlyRootFileSystem")
+    (tmp_path / "broken.yaml").write_text(broken)
+    done = subprocess.run([VALIDATE, "--strict", str(tmp_path / "broken.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+
+
+@pytest.mark.parametrize("folder", [DEPLOY, DEPLOY / "sidecar"], ids=["daemonset", "sidecar"])
+def test_each_kustomization_lists_files_that_exist(folder: Path) -> None:
+    resources = load(folder / "kustomization.yaml")["resources"]
+    assert resources and all((folder / name).is_file() for name in resources), resources
+
+
+def test_the_daemonset_kustomization_lists_every_manifest_beside_it() -> None:
+    beside = {p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml"}
+    assert set(load(DEPLOY / "kustomization.yaml")["resources"]) == beside
+
+
+def test_the_configmap_is_a_config_the_daemon_accepts() -> None:
+    config = configmap_config()
+    assert list(config.roots) == ["/mnt/kv"]
+    assert config.metrics and parse_metrics_address(config.metrics).port == 9464
+
+
+@pytest.mark.parametrize("path_and_spec", pods(), ids=lambda ps: ps[0].name)
+def test_workloads_agree_with_the_config_the_image_and_the_version(
+    path_and_spec: tuple[Path, dict[str, Any]],
+) -> None:
+    _, spec = path_and_spec
+    config = configmap_config()
+    container = daemon_container(spec)
+    assert container["image"].endswith(f"kvprefetchd:{kvprefetchd.__version__}")
+    assert container["args"] == ["--config", "/etc/kvprefetchd/config.toml"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["config"]["mountPath"] == "/etc/kvprefetchd"
+    assert mounts["kv-cache"]["mountPath"] in config.roots and mounts["kv-cache"]["readOnly"]
+    assert str(Path(config.socket).parent) == mounts["run"]["mountPath"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        if probe in container:
+            command = container[probe]["exec"]["command"]
+            assert command[0] == "kvprefetch" and command[-1] == "ping"
+            assert command[command.index("--socket") + 1] == config.socket
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == parse_metrics_address(config.metrics).port
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
+    assert spec["securityContext"]["runAsNonRoot"]
+    assert spec["securityContext"]["runAsUser"] == containerfile_uid()
+
+
+def test_the_podmonitor_scrapes_the_metrics_port_of_the_daemonsets_pods() -> None:
+    monitor = load(DEPLOY / "podmonitor.yaml")
+    daemonset = load(DEPLOY / "daemonset.yaml")
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ports = {p["name"] for p in daemon_container(daemonset["spec"]["template"]["spec"])["ports"]}
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+
+
+def containerfile_uid() -> int:
+    text = (ROOT / "Containerfile").read_text()
+    user = next(line.split()[1] for line in text.splitlines() if line.startswith("USER "))
+    return int(user.split(":")[0])
+
+
+def test_the_containerfile_runs_unprivileged_without_a_compiler() -> None:
+    text = (ROOT / "Containerfile").read_text()
+    stages = [line for line in text.splitlines() if line.startswith("FROM ")]
+    assert len(stages) == 2 and stages[-1].endswith("AS runtime")
+    assert containerfile_uid() != 0 and f"--uid {containerfile_uid()}" in text
+    runtime = text[text.index("AS runtime"):]
+    assert "! command -v gcc" in runtime  # the build fails if a compiler is left
+    assert "EXPOSE 9464" in runtime
