@@ -76,6 +76,7 @@ def test_the_client_wheel_is_pure_typed_and_needs_only_msgpack(dists: dict[str, 
     archive = zipfile.ZipFile(wheel)
     names = archive.namelist()
     assert "kvprefetch/py.typed" in names and not any(n.endswith(".so") for n in names)
+    assert any(n.endswith("licenses/LICENSE") for n in names)
     metadata = archive.read(f"kvprefetch-{kvprefetch.__version__}.dist-info/METADATA").decode()
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert [r.split()[1].split(">")[0] for r in requires] == ["msgpack"], requires
