@@ -45,6 +45,7 @@ class Installed:
     method: str  # how it got there, for the report
     client: str  # the `kvprefetch` CLI inside the container
     seconds: float
+    python: str  # an interpreter inside that imports that client
 
 
 class Installation(Protocol):
@@ -148,12 +149,45 @@ class PipInstall:
         if expected not in result.stdout:
             raise CommandFailed(f"install-systemd did not point the unit at the venv "
                                 f"({expected}):\n{result.stdout}")
-        return Installed(self.name, f"{self.venv}/bin/kvprefetch", time.monotonic() - started)
+        return Installed(self.name, f"{self.venv}/bin/kvprefetch", time.monotonic() - started,
+                         f"{self.venv}/bin/python")
+
+
+class DebInstall:
+    """README: `apt-get install ./kvprefetchd_VERSION_amd64.deb`, the package ./dev package
+    builds (packaging/deb.py). Its dependencies are Debian's, in the container's tree
+    (system_rootfs.PACKAGES), so apt needs no network. The postinst creates the user
+    (sysusers.d) and enables and starts the socket."""
+
+    name = "apt-get install ./kvprefetchd_VERSION_amd64.deb"
+    directory = "/root/deb"
+
+    def __init__(self, repo: Path = REPO) -> None:
+        self.repo = repo
+        self.deb: Path | None = None
+
+    def prepare(self, work: Path) -> None:
+        built = subprocess.run(
+            [sys.executable, str(self.repo / "packaging" / "deb.py"), "--out", str(work / "deb")],
+            capture_output=True, text=True, check=False, timeout=1200,
+        )
+        if built.returncode != 0:
+            raise CommandFailed(f"packaging/deb.py failed:\n{built.stdout}\n{built.stderr}")
+        (self.deb,) = (work / "deb").glob("kvprefetchd_*.deb")
+
+    def install(self, container: Container) -> Installed:
+        assert self.deb is not None, "prepare() first"
+        started = time.monotonic()
+        container.copy_in(self.deb.parent, [self.deb.name], self.directory)
+        container.run(["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y",
+                       "-q", f"{self.directory}/{self.deb.name}"], timeout=600)
+        return Installed(self.name.replace("VERSION", self.deb.name.split("_")[1]),
+                         "/usr/bin/kvprefetch", time.monotonic() - started, "/usr/bin/python3")
 
 
 # The methods `KVPREFETCH_SYSTEM_INSTALL` may name (default: the README's).
 INSTALL_ENV = "KVPREFETCH_SYSTEM_INSTALL"
-INSTALLATIONS: dict[str, type[Installation]] = {"pip": PipInstall}
+INSTALLATIONS: dict[str, type[Installation]] = {"pip": PipInstall, "deb": DebInstall}
 
 
 def chosen_installation() -> Installation:

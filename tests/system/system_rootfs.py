@@ -39,6 +39,9 @@ VARIANT = "minbase"
 PACKAGES = (
     "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3-pip", "python3-dev",
     "gcc", "liburing-dev", "libc6-dev", "libffi-dev", "procps",
+    # the .deb's dependencies (debian/control), so `apt-get install ./….deb` needs no network
+    "python3-msgpack", "python3-cffi-backend", "python3-psutil", "python3-setproctitle",
+    "python3-cbor2", "python3-prometheus-client", "liburing2",
 )
 # Bump when the steps after debootstrap (finish()) change: they are part of the recipe.
 RECIPE_REVISION = 1

@@ -174,7 +174,7 @@ def test_restart_refuses_no_client(service: Service) -> None:
     pids = [start(service)]
     script = "/usr/local/share/kvprefetch-system/ping_through_restarts.py"  # for any user
     service.container.write_file(script, (HERE / "ping_through_restarts.py").read_text())
-    python = str(Path(service.installed.client).parent / "python")
+    python = service.installed.python
     seconds = 2.0 + 2.5 * RESTARTS
     clients = service.container.popen([python, script, SOCKET, str(seconds)], user=MEMBER)
     try:
@@ -292,3 +292,26 @@ def test_drop_ins_are_where_systemctl_edit_puts_them(service: Service) -> None:
     shown = service.show("DropInPaths", "RestartUSec")
     assert f"{DROP_IN_DIR}/probe.conf" in shown["DropInPaths"]
     assert shown["RestartUSec"] == "7s"
+
+
+def test_zz_the_package_purges_cleanly(service: Service) -> None:
+    """Last (it removes what the others use), and only for the .deb: `apt-get purge` stops
+    the units, removes every file it brought, the conffile included, and leaves the system
+    user (Debian policy: a system account may own files elsewhere)."""
+    if not service.installed.method.startswith("apt-get install"):
+        pytest.skip("the purge is the .deb's (KVPREFETCH_SYSTEM_INSTALL=deb)")
+    ping = service.container.run([service.installed.client, "--socket", SOCKET, "ping"],
+                                 user=MEMBER)
+    assert "protocol 1" in ping.stdout
+    files = service.container.run(["dpkg", "-L", "kvprefetchd"]).stdout.split()
+    service.container.run(["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "purge", "-y",
+                           "-q", "kvprefetchd"], timeout=300)
+    assert service.container.run(["dpkg", "-s", "kvprefetchd"], check=False).returncode != 0
+    left = service.container.run(
+        ["sh", "-c", 'for f in "$@"; do [ -f "$f" ] && echo "$f"; done; true', "sh", *files]
+    ).stdout.split()
+    assert not left, f"files left after purge: {left}"
+    for gone in ("/etc/kvprefetchd", SOCKET):
+        assert service.container.run(["test", "-e", gone], check=False).returncode != 0, gone
+    assert service.systemctl("is-active", SOCKET_UNIT, check=False).stdout.strip() != "active"
+    assert service.container.run(["getent", "passwd", "kvprefetchd"]).returncode == 0
