@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import hot
 import tier_report
 
 # What the one-screen summary shows of a warm-up (everything is in results.json).
@@ -138,6 +139,8 @@ def scenario_ok(scenario: dict[str, Any]) -> bool:
         return not scenario["dropped"]
     if kind == "router_load":
         return not (scenario["lost"] or scenario["errors"] or not scenario["books_balance"])
+    if kind == "hot":
+        return hot.ok(scenario)
     return True
 
 
@@ -248,6 +251,8 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{scenario['settings']['workers']} workers; dropped "
                          f"{scenario['dropped']})\n\n" + md_table(ACK_HEAD,
                                                                     ack_rows(scenario)))
+        elif scenario["kind"] == "hot":
+            parts.append("\n".join(hot.summary(scenario)))
         elif scenario["kind"] == "router_load":
             parts.append("**Router-like load** (books balance: "
                          f"{scenario['books_balance']})\n\n"
@@ -296,6 +301,8 @@ def print_summary(results: dict[str, Any]) -> None:
             for row in ack_rows(s):
                 table.add_row(*row)
             console.print(table)
+        elif s["kind"] == "hot":
+            console.print("\n".join(hot.summary(s)))
         elif s["kind"] == "router_load":
             table = Table(title=f"router-like load (books balance: {s['books_balance']})",
                           title_justify="left")

@@ -42,6 +42,7 @@ from typing import Any
 
 import ack_latency
 import datasets
+import hot
 import plots
 import psutil
 import report
@@ -69,12 +70,14 @@ def load_scenarios(path: Path) -> dict[str, Any]:
     """Read and check a scenario file; every error names the table and key."""
     with open(path, "rb") as handle:
         spec = tomllib.load(handle)
-    unknown = set(spec) - {"suite", "warmup", "tier", "ack", "load"}
+    unknown = set(spec) - {"suite", "warmup", "tier", "ack", "load", "hot"}
     if unknown:
         raise ScenarioError(f"{path}: unknown tables {sorted(unknown)}")
     for table, keys in (("suite", SUITE_KEYS), ("ack", ACK_KEYS), ("load", LOAD_KEYS)):
         if extra := set(spec.get(table, {})) - keys:
             raise ScenarioError(f"{path}: [{table}] has unknown keys {sorted(extra)}")
+    if extra := set(spec.get("hot", {})) - hot.HOT_KEYS:
+        raise ScenarioError(f"{path}: [hot] has unknown keys {sorted(extra)}")
     for index, entry in enumerate(spec.get("warmup", [])):
         where = f"{path}: [[warmup]] #{index + 1}"
         if extra := set(entry) - WARMUP_KEYS:
@@ -234,6 +237,9 @@ def run_suite(spec: dict[str, Any], name: str, base: Path, out: Path,
         args = ack_latency.parse_args(ack_argv(spec["ack"], base, raw_dir / "tmp"))
         units = len(args.modes.split(",")) * len(args.sizes.split(","))
         plans.append(("ack", _ack_runner(args, raw_dir), units))
+    if "hot" in spec and want("hot"):
+        args = hot.parse_args(hot.argv_of(spec["hot"], base, raw_dir / "tmp" / "hot"))
+        plans.append(("hot", _hot_runner(args, raw_dir), 2 * len(hot.RULES)))
     if "load" in spec and want("load"):
         import load
 
@@ -303,6 +309,16 @@ def _ack_runner(args: argparse.Namespace, raw_dir: Path) -> Callable[[Progress],
     return run
 
 
+def _hot_runner(args: argparse.Namespace, raw_dir: Path) -> Callable[[Progress], dict[str, Any]]:
+    def run(progress: Progress) -> dict[str, Any]:
+        args.out.mkdir(parents=True, exist_ok=True)
+        raw = hot.run(args, progress.step)
+        path = raw_dir / "hot.json"
+        path.write_text(json.dumps(raw, indent=1) + "\n")
+        return hot.scenario(raw, path.relative_to(raw_dir.parent))
+    return run
+
+
 def _load_runner(args: argparse.Namespace, raw_dir: Path) -> Callable[[Progress], dict[str, Any]]:
     def run(progress: Progress) -> dict[str, Any]:
         progress.step(f"load: {args.clients} clients x {args.requests_per_client}", 0)
@@ -330,7 +346,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="where datasets live (default: /var/tmp/kvbench for --full, "
                         "OUT/data otherwise, removed afterwards)")
     parser.add_argument("--only", default="",
-                        help="comma list of kinds: warmup,tier,ack,load")
+                        help="comma list of kinds: warmup,tier,ack,load,hot")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return parser.parse_args(argv)
 

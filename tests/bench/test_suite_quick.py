@@ -54,7 +54,7 @@ def test_every_scenario_of_the_quick_file_ran(quick: tuple[dict[str, Any], Path]
     spec = suite.load_scenarios(BENCH / "scenarios" / "quick.toml")
     expected = [f"warmup/{datasets.dataset(w['dataset']).name}/{state}"
                 for w in spec["warmup"] for state in w["states"]]
-    expected += [tier.table_label(t) for t in spec["tier"]] + ["ack", "load"]
+    expected += [tier.table_label(t) for t in spec["tier"]] + ["ack", "hot", "load"]
     assert [s["name"] for s in results["scenarios"]] == expected
     assert results["suite"] == "quick" and results["seconds"] > 0
     assert results["machine"]["cpus"] >= 1
@@ -216,6 +216,25 @@ def test_router_load_lost_nothing(quick: tuple[dict[str, Any], Path]) -> None:
     assert finite(load["requests_per_s"])
 
 
+def test_the_hot_path_says_resident_for_a_resident_set_and_drops_nothing(
+    quick: tuple[dict[str, Any], Path],
+) -> None:
+    """Figures, not speed: every rule ran both phases, a resident set came back resident
+    (a few heads the host's reclaimer took may be read), nothing offered was dropped, and
+    the CPU figures are finite and positive."""
+    results, _ = quick
+    entry = next(s for s in results["scenarios"] if s["kind"] == "hot")
+    assert set(entry["rules"]) == {"pagecache", "tier"}
+    for rule, figures in entry["rules"].items():
+        wait, sustained = figures["wait"], figures["sustained"]
+        assert sum(wait["outcomes"].values()) == wait["files"], (rule, wait)
+        assert wait["outcomes"].get("resident", 0) >= 0.97 * wait["files"], (rule, wait)
+        assert sustained["dropped"] == 0 and sustained["offered"] > 0, (rule, sustained)
+        assert sustained["accepted"] == sustained["offered"] == sustained["settled"], sustained
+        for key in ("daemon_cpu_us_per_file", "supervisor_cpu_us_per_file"):
+            assert finite(wait[key]) and wait[key] >= 0 and finite(sustained[key]), key
+
+
 def test_plots_and_summary_are_written(quick: tuple[dict[str, Any], Path]) -> None:
     results, out = quick
     ran_tier = any(s["kind"] == "tier" and s["points"] for s in results["scenarios"])
@@ -228,6 +247,7 @@ def test_plots_and_summary_are_written(quick: tuple[dict[str, Any], Path]) -> No
     assert summary.count("**Warm-up:") == sum(
         1 for s in results["scenarios"] if s["kind"] == "warmup")
     assert "**Ack latency**" in summary and "**Router-like load**" in summary
+    assert "**Hot path**" in summary
     assert not (out / "data").exists()  # the scratch datasets are removed
 
 

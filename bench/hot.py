@@ -1,0 +1,222 @@
+"""The hot path: what saying "resident" costs the daemon (issue 16's scenario).
+
+In production most files a router asks for are already warm, so the daemon's CPU per
+resident file decides how many requests a gateway host serves. On a set of files whose
+heads are resident (read just before, every head verified), with 2 workers and
+dedup_ttl_ms = 0 (so every file pays the real residency check), under each residency rule:
+
+- wait: requests of --wait-paths paths with `wait`, the whole set --reps times: wall time
+  and daemon CPU (supervisor and workers, from /proc) per file;
+- sustained: fire-and-forget requests of --chunk paths offered at --rate files/s for
+  --seconds, paced by the clock on one connection: files accepted and dropped (from the
+  acks), the rate the daemon settled them at (from its stats, until nothing is in flight),
+  and CPU per file.
+
+Figures, never verdicts: the targets of issue 16 (<= 8 us of daemon CPU per file,
+>= 150,000 files/s with 0 dropped, supervisor <= 3 us per path) are printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvharness.daemon import Daemon, start_config
+from kvharness.pagecache import resident_bytes
+
+TARGETS = {"daemon_cpu_us_per_file": 8.0, "supervisor_cpu_us_per_path": 3.0,
+           "sustained_files_per_s": 150_000}
+RULES = ("pagecache", "tier")
+
+
+def make_set(base: Path, files: int, size: int) -> list[str]:
+    """`files` files of `size` bytes under base/hot-FILESxSIZE (made once, then reused)."""
+    root = base / f"hot-{files}x{size}"
+    paths = [str(root / f"{i % 64:02x}" / f"{i:07d}.bin") for i in range(files)]
+    if not (root / ".complete").exists():
+        block = os.urandom(size)
+        for path in paths:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_bytes(block)
+        (root / ".complete").write_text("ok\n")
+    return paths
+
+
+def make_resident(paths: Sequence[str], size: int) -> int:
+    """Read every file and return how many are resident right after (the reclaimer may
+    take a few: the daemon then reads them, which the outcomes show)."""
+    for path in paths:
+        with open(path, "rb") as handle:
+            handle.read()
+    return sum(1 for path in paths if resident_bytes(path, size) >= size)
+
+
+def cpu_now(daemon: Daemon, pids: Sequence[int]) -> tuple[float, float]:
+    workers, supervisor = daemon.cpu(pids)
+    return supervisor, workers
+
+
+def phase_wait(daemon: Daemon, pids: Sequence[int], paths: Sequence[str],
+               args: argparse.Namespace) -> dict[str, Any]:
+    outcomes: dict[str, int] = {}
+    sup0, wrk0 = cpu_now(daemon, pids)
+    started = time.perf_counter()
+    with daemon.connect(120) as connection:
+        for _ in range(args.reps):
+            for at in range(0, len(paths), args.wait_paths):
+                reply = connection.call_ok("prefetch", paths=list(paths[at:at + args.wait_paths]),
+                                           wait=True)
+                for name, count in reply["outcomes"].items():
+                    outcomes[name] = outcomes.get(name, 0) + count
+    wall = time.perf_counter() - started
+    sup1, wrk1 = cpu_now(daemon, pids)
+    files = len(paths) * args.reps
+    return {
+        "files": files, "wall_s": round(wall, 3),
+        "wall_us_per_file": round(wall / files * 1e6, 2),
+        "supervisor_cpu_us_per_file": round((sup1 - sup0) / files * 1e6, 2),
+        "workers_cpu_us_per_file": round((wrk1 - wrk0) / files * 1e6, 2),
+        "daemon_cpu_us_per_file": round((sup1 - sup0 + wrk1 - wrk0) / files * 1e6, 2),
+        "outcomes": {k: v for k, v in outcomes.items() if v},
+    }
+
+
+def phase_sustained(daemon: Daemon, pids: Sequence[int], paths: Sequence[str],
+                    args: argparse.Namespace) -> dict[str, Any]:
+    before = daemon.stats()["files"]
+    sup0, wrk0 = cpu_now(daemon, pids)
+    accepted = dropped = offered = 0
+    started = time.perf_counter()
+    at = 0
+    with daemon.connect(60) as connection:
+        while (now := time.perf_counter() - started) < args.seconds:
+            due = int(now * args.rate)
+            if offered >= due:
+                time.sleep(min(0.001, (offered - due + 1) / args.rate))
+                continue
+            chunk = [paths[(at + i) % len(paths)] for i in range(args.chunk)]
+            at = (at + args.chunk) % len(paths)
+            ack = connection.call_ok("prefetch", paths=chunk)
+            offered += len(chunk)
+            accepted += ack["accepted"]
+            dropped += ack["dropped"]
+    sent_s = time.perf_counter() - started
+    while daemon.stats()["files"]["in_flight"] > 0:
+        time.sleep(0.01)
+    drained_s = time.perf_counter() - started
+    sup1, wrk1 = cpu_now(daemon, pids)
+    after = daemon.stats()["files"]
+    settled = sum(after[k] - before[k] for k in ("read", "resident", "missing", "failed"))
+    return {
+        "offered_files_per_s": args.rate, "offered": offered,
+        "achieved_offer_per_s": round(offered / sent_s),
+        "accepted": accepted, "dropped": dropped, "settled": settled,
+        "settled_files_per_s": round(settled / drained_s),
+        "supervisor_cpu_us_per_file": round((sup1 - sup0) / max(1, offered) * 1e6, 2),
+        "daemon_cpu_us_per_file": round((sup1 - sup0 + wrk1 - wrk0) / max(1, settled) * 1e6, 2),
+        "resident": after["resident"] - before["resident"],
+    }
+
+
+def run(args: argparse.Namespace,
+        on_step: Callable[[str], None] = lambda _step: None) -> dict[str, Any]:
+    paths = make_set(args.base, args.files, args.size)
+    results: dict[str, Any] = {"files": args.files, "file_bytes": args.size, "rules": {},
+                               "targets": TARGETS, "settings": vars(args) | {
+                                   "base": str(args.base), "out": str(args.out)}}
+    for rule in RULES:
+        daemon = start_config(args.out / f"daemon-{rule}", {
+            "roots": [str(args.base)], "workers": 2, "dedup_ttl_ms": 0,
+            "read_bytes": args.size, "residency_by_root": {str(args.base): rule},
+        })
+        try:
+            pids = daemon.worker_pids()
+            on_step(f"hot: {rule} wait")
+            resident = make_resident(paths, args.size)
+            wait = phase_wait(daemon, pids, paths, args)
+            on_step(f"hot: {rule} sustained")
+            make_resident(paths, args.size)
+            sustained = phase_sustained(daemon, pids, paths, args)
+        finally:
+            daemon.stop()
+        results["rules"][rule] = {"resident_before": resident, "wait": wait,
+                                  "sustained": sustained}
+    return results
+
+
+def summary(results: dict[str, Any]) -> list[str]:
+    """Markdown lines: per rule, the figures beside issue 16's targets."""
+    lines = [f"**Hot path**: {results['files']} resident files of {results['file_bytes']} bytes, "
+             "2 workers, dedup off. Targets (issue 16): daemon CPU <= 8 us/file, supervisor "
+             "<= 3 us/path, >= 150,000 files/s sustained with 0 dropped.", "",
+             "| rule | wait: daemon CPU us/file | supervisor | workers | wall us/file "
+             "| sustained: offered/s | dropped | settled/s | CPU us/file |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for rule, figures in results["rules"].items():
+        wait, sus = figures["wait"], figures["sustained"]
+        lines.append(f"| {rule} | {wait['daemon_cpu_us_per_file']} | "
+                     f"{wait['supervisor_cpu_us_per_file']} | {wait['workers_cpu_us_per_file']} | "
+                     f"{wait['wall_us_per_file']} | {sus['achieved_offer_per_s']} | "
+                     f"{sus['dropped']} | {sus['settled_files_per_s']} | "
+                     f"{sus['daemon_cpu_us_per_file']} |")
+    return lines
+
+
+def scenario(results: dict[str, Any], raw_path: Path) -> dict[str, Any]:
+    """The suite's entry: the figures per rule, and whether anything was dropped or not
+    served resident (a resident set must come back resident; a few reclaimed heads read)."""
+    return {"kind": "hot", "name": "hot", "raw": str(raw_path), "files": results["files"],
+            "file_bytes": results["file_bytes"], "targets": results["targets"],
+            "rules": results["rules"]}
+
+
+def ok(entry: dict[str, Any]) -> bool:
+    return all(f["sustained"]["dropped"] == 0 and f["wait"]["outcomes"].get("resident", 0)
+               >= 0.97 * f["wait"]["files"] for f in entry["rules"].values())
+
+
+def argv_of(table: dict[str, Any], base: Path, out: Path) -> list[str]:
+    """hot.py's command line from a scenario file's [hot] table (keys = its flags)."""
+    unknown = set(table) - HOT_KEYS
+    if unknown:
+        raise ValueError(f"[hot] has unknown keys {sorted(unknown)}")
+    argv = ["--base", str(base), "--out", str(out)]
+    for key, value in table.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+HOT_KEYS = {"files", "size", "reps", "wait_paths", "rate", "chunk", "seconds"}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=20_000)
+    parser.add_argument("--size", type=int, default=64 << 10, help="bytes per file (= the head)")
+    parser.add_argument("--reps", type=int, default=3, help="passes over the set with wait")
+    parser.add_argument("--wait-paths", type=int, default=5000)
+    parser.add_argument("--rate", type=int, default=150_000, help="files/s offered")
+    parser.add_argument("--chunk", type=int, default=1000, help="paths per request")
+    parser.add_argument("--seconds", type=float, default=5.0, help="how long to offer")
+    parser.add_argument("--base", type=Path, default=Path("/var/tmp/kvbench"))
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run(args, lambda step: print(step, file=sys.stderr))
+    (args.out / "hot.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("\n".join(summary(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
