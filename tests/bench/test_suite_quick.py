@@ -231,8 +231,10 @@ def test_the_hot_path_says_resident_for_a_resident_set_and_drops_nothing(
         assert wait["outcomes"].get("resident", 0) >= 0.97 * wait["files"], (rule, wait)
         assert sustained["dropped"] == 0 and sustained["offered"] > 0, (rule, sustained)
         assert sustained["accepted"] == sustained["offered"] == sustained["settled"], sustained
+        # CPU time comes in 10 ms ticks: a tiny run may count 0 for a process, never less
         for key in ("daemon_cpu_us_per_file", "supervisor_cpu_us_per_file"):
-            assert finite(wait[key]) and wait[key] >= 0 and finite(sustained[key]), key
+            for phase in (wait, sustained):
+                assert math.isfinite(phase[key]) and phase[key] >= 0, (rule, key, phase)
 
 
 def test_plots_and_summary_are_written(quick: tuple[dict[str, Any], Path]) -> None:
