@@ -13,7 +13,6 @@ The Debian package is packaging/deb.py's. Prints one JSON object naming what it 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -22,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from outdir import output_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "python"
@@ -58,11 +59,7 @@ def manylinux_policy(wheel: Path) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "dist")
-    args = parser.parse_args()
-    out: Path = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(__doc__.splitlines()[0])
     made: dict[str, str] = {}
     made["daemon_sdist"] = str(build(ROOT, out, "sdist"))
     made["client_sdist"] = str(build(CLIENT, out, "sdist"))

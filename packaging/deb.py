@@ -14,7 +14,6 @@ results beside the source), debian/changelog is written there from kvprefetchd._
 
 from __future__ import annotations
 
-import argparse
 import email.utils
 import json
 import shutil
@@ -22,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from outdir import output_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,11 +48,7 @@ def changelog(release: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "dist")
-    args = parser.parse_args()
-    out: Path = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(__doc__.splitlines()[0])
     release = version()
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / f"kvprefetchd-{release}"
