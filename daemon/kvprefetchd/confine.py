@@ -83,9 +83,15 @@ class Roots:
 
     def place_canonical(self, path: object) -> Placed | str:
         """`place`, with the relative part in its canonical spelling (the module's doc).
-        The common name is canonical already: three substring tests in C, no copy."""
+
+        The common name is canonical already. The relative part is a suffix of the path, so
+        a str path without `//`, `./` or a final `.` has none of them in its relative part
+        either: tested on the str, as decoded, because `in` on str is ~10x cheaper than on
+        bytes (0.04 against 0.35 us here, once per path of every request)."""
         placed = self.place(path)
-        if type(placed) is tuple:
+        if type(placed) is tuple and (
+            type(path) is not str or "//" in path or "./" in path or path[-1] == "."
+        ):
             relative = placed[1]
             if b"//" in relative or b"./" in relative or relative.endswith(b"."):
                 return (placed[0], canonical(relative))
