@@ -145,7 +145,11 @@ def test_the_stale_detector_forgets_the_least_recent_profile(
     stats = d.call("stats")["stats"]
     assert len(stats["kv"]["stale"]) == 64
     assert stats["bounds"]["stale_profiles"] == {"size": 64, "limit": 64}
-    assert f"inline:{1999:012x}" in stats["kv"]["stale"]  # the most recent are kept
+    # The most recent are kept. "Recent" is when a file's outcome came back, and two workers
+    # settle in their own order (CI once kept 64 ending before #1999): the kept ones are
+    # among the late requests, never the early ones an LRU must have forgotten.
+    kept = [int(key.split(":")[1], 16) for key in stats["kv"]["stale"]]
+    assert min(kept) >= 1000, sorted(kept)
 
 
 def test_every_spelling_of_a_file_is_one_file_for_the_workers_memory(
