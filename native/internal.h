@@ -20,6 +20,14 @@
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
+#include <time.h>
+static inline int64_t kvp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 #pragma GCC visibility push(hidden)  /* none of this is the module's API */
 
 struct kvp_engine;
@@ -77,6 +85,13 @@ void kvp_open_probe(struct kvp_ctx *c);
  * min(st_size, read_bytes)), or -1 when the item is settled (RESIDENT /
  * MISSING / REJECTED / FAILED). */
 int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span);
+/* Resolve and verify one item: an O_PATH fd of a regular file, its stat in *st
+ * and it->size set; or -1 with the item settled (MISSING / REJECTED / FAILED). */
+int kvp_item_lookup(const struct kvp_ctx *c, struct kvp_item *it, struct stat *st);
+/* Reopen lookup's O_PATH fd (closed here) as a read fd (O_NOATIME with
+ * KVP_ITEM_NOATIME where permitted): the fd, or -errno. */
+int kvp_item_reopen(const struct kvp_ctx *c, int pfd, const struct kvp_item *it,
+                    const struct stat *st);
 /* Drop O_NONBLOCK from fd (see open.c): 0, or -1 with errno. */
 int kvp_clear_nonblock(int fd);
 

@@ -28,6 +28,7 @@
 #define KVP_OUT_MISSING 2   /* ENOENT / ENOTDIR on the path: not an error */
 #define KVP_OUT_REJECTED 3  /* escapes the root, a symlink out, not a regular file, bad name */
 #define KVP_OUT_FAILED 4    /* I/O error while opening (other than the above) or reading */
+#define KVP_OUT_EXPIRED 5   /* its deadline passed before its read was issued: nothing read */
 
 /* Residency rule applied before any read (per item: it depends on the root's
  * fs): the config's residency names (off, tier, pagecache). */
@@ -44,7 +45,18 @@ struct kvp_item {
     int32_t err;          /* out: errno behind MISSING/REJECTED/FAILED, else 0 */
     uint64_t size;        /* out: st_size, when the file could be stat'ed */
     uint64_t done;        /* out: bytes read (READ), or bytes found resident (RESIDENT) */
+    int64_t deadline_ns;  /* in: CLOCK_MONOTONIC ns; past it, the read is not issued
+                             (EXPIRED, err 0); 0: no deadline */
+    int32_t flags;        /* in: KVP_ITEM_* */
 };
+
+/* Item flags.  KVP_ITEM_NOATIME: read through an O_NOATIME fd where the kernel
+ * permits it (the owner of the file, or CAP_FOWNER); otherwise read anyway,
+ * counted in kvp_noatime_fallbacks. */
+#define KVP_ITEM_NOATIME 1
+
+/* Reads that asked for O_NOATIME and were refused it (EPERM), since the module loaded. */
+uint64_t kvp_noatime_fallbacks(void);
 
 /*
  * Engines are named, not numbered: a (engine, warm_mode) pair of strings picks
@@ -152,6 +164,35 @@ void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out);
  * -errno.  uptodate != 0 forces mincore, which (unlike cachestat) does not
  * count pages whose read is still in flight. */
 int64_t kvp_resident_bytes(int fd, uint64_t off, uint64_t len, int32_t uptodate);
+
+/*
+ * check and evict (native/inspect.c): look at files without reading them, or
+ * drop their pages.  Each item is resolved and verified as the engines do
+ * (beneath its root, regular files only); nothing is read, and neither the
+ * O_PATH lookup, fstat, cachestat nor fadvise changes atime.  KVP_CHK_* are
+ * the protocol's check states (docs/protocol.md, "Check states").
+ */
+#define KVP_CHK_RESIDENT 0  /* the head is resident by the item's residency rule */
+#define KVP_CHK_COLD 1      /* it is not */
+#define KVP_CHK_MISSING 2
+#define KVP_CHK_REJECTED 3
+#define KVP_CHK_FAILED 4
+
+#define KVP_INSPECT_CHECK 0       /* look only */
+#define KVP_INSPECT_EVICT_HEAD 1  /* POSIX_FADV_DONTNEED over [0, read_bytes), then look */
+#define KVP_INSPECT_EVICT_FILE 2  /* POSIX_FADV_DONTNEED over the whole file, then look */
+
+struct kvp_inspect_out {
+    int32_t state;    /* KVP_CHK_* (after eviction, for the evict actions) */
+    int32_t err;      /* errno behind MISSING/REJECTED/FAILED */
+    uint64_t size;    /* st_size */
+    uint64_t cached;  /* page-cache bytes of the whole file */
+    uint64_t tier;    /* st_blocks x 512: bytes allocated on the near tier */
+};
+/* Every item gets an out; items' deadline and flags are ignored.  OFF roots
+ * are judged by the page cache. */
+void kvp_inspect(int32_t action, const struct kvp_item *items, struct kvp_inspect_out *out,
+                 size_t n);
 
 /* Which residency mechanism kvp_resident_bytes uses here: 1 cachestat, 0 mincore. */
 int kvp_have_cachestat(void);

@@ -34,12 +34,7 @@
 #define KVP_QUEUE_STACK (128u << 10)  /* a worker thread's stack: it calls no deep code */
 #define KVP_QUEUE_SCRATCH 16u         /* read buffers shared by all threads (see below) */
 
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
+#define now_ns kvp_now_ns
 
 /* ---- lists: pending per root (FIFO), running, done ------------------------ */
 static void push(struct qlist *l, struct qitem *it)
@@ -195,6 +190,14 @@ static void *thread_main(void *arg)
         }
         if (q->stopping)
             break;
+        if (qi->it.deadline_ns > 0) {
+            q->deadlines--;
+            if (now_ns() > qi->it.deadline_ns) {
+                settle(&qi->it, KVP_OUT_EXPIRED, 0);  /* no read, no depth taken */
+                done_push(q, qi);
+                continue;
+            }
+        }
         struct qroot *r = &q->roots[qi->root];
         r->running++;
         qi->started = now_ns();
@@ -337,6 +340,7 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
         qi->seq = q->seq++;
         struct qroot *r = root_of(q, items[i].root_fd);
         qi->root = (uint16_t)(r - q->roots);
+        q->deadlines += qi->it.deadline_ns > 0;
         push(&r->pending, qi);
     }
     q->submitted += n;
@@ -382,11 +386,21 @@ static void expire(struct kvp_queue *q, struct qitem *qi, int running)
         qi->abandoned = 1;
     } else {
         unlink_item(&q->roots[qi->root].pending, qi);
+        q->deadlines -= qi->it.deadline_ns > 0;
     }
     copy->it.outcome = KVP_OUT_FAILED;
     copy->it.err = ETIMEDOUT;
     q->timed_out++;
     done_push(q, copy);
+}
+
+/* A pending file past its deadline: off its list, settled EXPIRED, unread. */
+static void settle_expired(struct kvp_queue *q, struct qitem *qi)
+{
+    unlink_item(&q->roots[qi->root].pending, qi);
+    settle(&qi->it, KVP_OUT_EXPIRED, 0);
+    q->deadlines--;
+    done_push(q, qi);
 }
 
 void kvp_queue_tick(struct kvp_queue *q)
@@ -411,6 +425,17 @@ void kvp_queue_tick(struct kvp_queue *q)
             for (; qi && t - qi->submitted > (int64_t)q->cfg.timeout_ns; qi = next) {
                 next = qi->next;  /* FIFO: the oldest are first */
                 expire(q, qi, 0);
+            }
+        }
+    /* Files past their deadline leave the queue now, not when depth frees up
+     * behind a slow or hung root: they take no thread and no fetch slot. */
+    if (q->deadlines)
+        for (uint32_t i = 0; i < q->nroots; i++) {
+            struct qitem *qi = q->roots[i].pending.head, *next;
+            for (; qi; qi = next) {
+                next = qi->next;
+                if (qi->it.deadline_ns > 0 && t > qi->it.deadline_ns)
+                    settle_expired(q, qi);
             }
         }
     if (freed) {

@@ -80,6 +80,7 @@ struct kvp_queue {
     uint32_t threads, idle;
     int stopping;
     uint64_t seq, submitted, reaped, timed_out, stalls, spawn_failures;
+    uint32_t deadlines;      /* pending files with a deadline: the tick sweeps for them */
     char *scratch;
     size_t scratch_len;
 };

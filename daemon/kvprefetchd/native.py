@@ -2,8 +2,8 @@
 
 It also reads the header's constants once, so Python never copies them: each
 `#define KVP_<PREFIX>_<NAME> <code>` of native/kvprefetch.h becomes the name
-`<name>` (lower case), which is the protocol's outcome name (KVP_OUT_*) or the
-config's residency rule (KVP_RES_*).
+`<name>` (lower case), which is the protocol's outcome name (KVP_OUT_*), check state
+(KVP_CHK_*) or the config's residency rule (KVP_RES_*).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class Native:
         self.lib = lib
         # KVP_OUT_* code -> protocol outcome name (docs/protocol.md, "Per-file outcomes").
         self.outcome_names = {code: name for name, code in header_constants(lib, "OUT").items()}
+        # KVP_CHK_* code -> check state (docs/protocol.md, "Check states").
+        self.check_states = {code: name for name, code in header_constants(lib, "CHK").items()}
         # Residency rule name (config: off, tier, pagecache) -> KVP_RES_* code.
         self.rule_codes = header_constants(lib, "RES")
 

@@ -145,7 +145,7 @@ def test_outcome_and_rule_names_are_read_from_the_header() -> None:
     assert native.outcome_names == {
         lib.KVP_OUT_READ: "read", lib.KVP_OUT_RESIDENT: "resident",
         lib.KVP_OUT_MISSING: "missing", lib.KVP_OUT_REJECTED: "rejected",
-        lib.KVP_OUT_FAILED: "failed",
+        lib.KVP_OUT_FAILED: "failed", lib.KVP_OUT_EXPIRED: "expired",
     }
     assert native.rule_codes == {
         "off": lib.KVP_RES_OFF, "tier": lib.KVP_RES_TIER, "pagecache": lib.KVP_RES_PAGECACHE
@@ -154,6 +154,10 @@ def test_outcome_and_rule_names_are_read_from_the_header() -> None:
     section = PROTOCOL.read_text().split("## Per-file outcomes", 1)[1].split("\n## ", 1)[0]
     protocol_outcomes = set(re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE))
     assert set(native.outcome_names.values()) <= protocol_outcomes
+    section = PROTOCOL.read_text().split("## Check states", 1)[1].split("\n## ", 1)[0]
+    assert set(native.check_states.values()) == {"resident", "cold", "missing", "rejected",
+                                                 "failed"}
+    assert all(f"`{name}`" in section for name in native.check_states.values())
     assert set(native.rule_codes) == set(RESIDENCY_RULES) - {"auto"}
     assert RootRule("/", "ext4", "tier", "configured").code == lib.KVP_RES_TIER
 

@@ -159,12 +159,12 @@ def test_special_files_are_rejected_without_blocking(engine: str, root, monkeypa
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind("sock")
     rels = ["fifo", "sock", "dir", "."]
-    expected = [("REJECTED", "EINVAL"), ("REJECTED", "EINVAL"), ("REJECTED", "EISDIR"),
+    expected = [("REJECTED", "ENODEV"), ("REJECTED", "ENODEV"), ("REJECTED", "EISDIR"),
             ("REJECTED", "EISDIR")]
     try:
         os.mknod(root.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
         rels.append("null")
-        expected.append(("REJECTED", "EINVAL"))
+        expected.append(("REJECTED", "ENODEV"))
     except PermissionError:
         pass  # no CAP_MKNOD here: the FIFO and the socket still cover non-regular files
     try:
@@ -179,7 +179,7 @@ def test_device_node_needs_root(root) -> None:
         pytest.skip("mknod of a device node needs root")
     os.mknod(root.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
     res = Ctx("pread-read").run(root.fd, ["null"], MiB)
-    assert [(r.outcome, r.err) for r in res] == [("REJECTED", "EINVAL")]
+    assert [(r.outcome, r.err) for r in res] == [("REJECTED", "ENODEV")]
 
 
 def test_read_error_is_failed_with_its_errno(engine: str) -> None:
@@ -293,10 +293,11 @@ def test_one_batch_settles_every_outcome(engine: str, root, tmp_path: Path) -> N
         f.read()
     eio_root = os.open(eio_base, os.O_PATH | os.O_DIRECTORY)
     try:
-        batch = Batch(root.fd, [cold, "warm", "nope", "../outside", eio_rel], 128 * KiB,
+        batch = Batch(root.fd, [cold, "warm", "nope", "../outside", eio_rel, cold], 128 * KiB,
                       residency=lib.KVP_RES_PAGECACHE)
         batch.items[4].root_fd = eio_root
         batch.items[4].residency = lib.KVP_RES_OFF
+        batch.items[5].deadline_ns = 1  # long past: never looked up, never read
         res = Ctx(engine).run_batch(batch)
     finally:
         os.close(eio_root)
@@ -307,6 +308,7 @@ def test_one_batch_settles_every_outcome(engine: str, root, tmp_path: Path) -> N
         Result("MISSING", "ENOENT", 0, 0),
         Result("REJECTED", "EXDEV", 0, 0),
         Result("FAILED", "EIO", res[4].size, 0),
+        Result("EXPIRED", "", 0, 0),
     ]
     assert {r.outcome for r in res} == set(OUTCOMES.values()), "a new outcome: add its item"
     assert_warm(root.path / cold, 128 * KiB)
