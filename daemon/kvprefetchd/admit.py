@@ -30,6 +30,8 @@ class Admission:
     entries: list[list[list[Any]]]
     dropped: int = 0
     refused: list[tuple[object, str]] = field(default_factory=list)  # (path, reason)
+    dropped_paths: list[object] = field(default_factory=list)  # as given, for `failures`
+    room: int = 0  # files the workers may still take after these
 
     @property
     def accepted(self) -> int:
@@ -47,7 +49,7 @@ def admit(paths: list[Any], roots: Roots, room: list[int]) -> Admission:
     left = list(room)
     entries: list[list[list[Any]]] = [[] for _ in range(workers)]
     refused: list[tuple[object, str]] = []
-    dropped = 0
+    dropped_paths: list[object] = []
     place = roots.place_canonical  # every spelling of a file: one shard, one dedup key
     for path in paths:
         placed = place(path)
@@ -57,8 +59,9 @@ def admit(paths: list[Any], roots: Roots, room: list[int]) -> Admission:
         root_index, relative = placed
         index = zlib.crc32(relative, root_index) % workers  # shard_of, inlined
         if left[index] <= 0:
-            dropped += 1
+            dropped_paths.append(path)
             continue
         left[index] -= 1
         entries[index].append([0, root_index, relative])
-    return Admission(entries, dropped, refused)
+    return Admission(entries, len(dropped_paths), refused, dropped_paths,
+                     sum(n for n in left if n > 0))

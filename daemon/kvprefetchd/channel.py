@@ -36,18 +36,28 @@ MAX_FDS = 16  # fds one read may carry: Root messages are rare and one fd each
 
 # [ticket, root_index, relative path bytes]; ticket 0: a fire-and-forget file.
 WarmEntry = list[Any]
-# [ticket, outcome name, bytes read]
+# [ticket, outcome name, bytes read], [.., errno] for a file not warmed, and
+# [ticket, state, 0, errno, size, cached bytes, tier bytes] for a check or evict.
 Settled = list[Any]
 
 
 @dataclass(slots=True)
 class Warm:
-    """Files for a worker to warm `read_bytes` deep in `warm_mode` ("read" or "advise")."""
+    """Files for a worker to warm `read_bytes` deep in `warm_mode` ("read" or "advise"),
+    or to look at (INSPECT_MODES: check, evict), by `deadline` (CLOCK_MONOTONIC seconds,
+    0: none: one clock for both processes) with item `flags` (KVP_ITEM_*)."""
 
     KIND: ClassVar[str] = "warm"
     read_bytes: int
     warm_mode: str
     entries: list[WarmEntry]
+    deadline: float = 0.0
+    flags: int = 0
+
+
+# Warm modes that read nothing: the check and evict verbs, run by kvp_inspect.
+CHECK, EVICT_HEAD, EVICT_FILE = "check", "evict_head", "evict_file"
+INSPECT_MODES = (CHECK, EVICT_HEAD, EVICT_FILE)
 
 
 @dataclass(slots=True)

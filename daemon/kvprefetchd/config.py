@@ -112,6 +112,14 @@ class Config:
     # [models.NAME] warm_mode: a profile may warm by advice where the global mode reads.
     model_warm_modes: Mapping[str, str] = field(default_factory=dict)
     allow_inline_layouts: bool = True  # inline hash+layout maps (prefetch_blocks and resolve)
+    # The operator's verbs and the router's deadlines (docs/protocol.md): `evict` takes
+    # cache from every user of the host, so it is off unless asked for; a request without
+    # a deadline of its own gets this one (0: none); `failures` lists at most this many
+    # files per reply; reads keep atime (O_NOATIME where the kernel permits it).
+    allow_evict: bool = False
+    default_deadline_ms: int = 0
+    max_failures_listed: int = 4096
+    preserve_atime: bool = False
     max_prompts: int = 64
     max_tokens: int = 1 << 20
     max_blocks: int = 1 << 16  # block hashes a KV request names or computes
@@ -151,6 +159,8 @@ _INT_KEYS = {
     "queue_limit": (1, 10_000_000),
     "worker_nice": (0, 19),
     "dedup_ttl_ms": (0, 3_600_000),
+    "default_deadline_ms": (0, 86_400_000),
+    "max_failures_listed": (0, 1_000_000),
     "dedup_entries": (0, 10_000_000),
     "dedup_bytes": (0, 1 << 30),
     "max_frame_bytes": (64, 1 << 30),
@@ -233,7 +243,8 @@ def _check(key: str, value: Any) -> Any:
                 raise ConfigError(f"residency_by_root.{root}: {rule!r} is not a residency rule")
             rules[os.path.normpath(root)] = rule
         return rules
-    if key in ("fadv_random", "allow_inline_layouts", "root_path_checks"):
+    if key in ("fadv_random", "allow_inline_layouts", "root_path_checks", "allow_evict",
+               "preserve_atime"):
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false")
         return value

@@ -40,7 +40,8 @@ class Roots:
             self._only_room = max_path_bytes - len(self._prefixes[0][0])
 
     def place(self, path: object) -> Placed | str:
-        """The root a path lies under, or the reason it is rejected.
+        """The root a path lies under, or the reason it is rejected (a reason code of
+        docs/protocol.md, "Failures").
 
         `..` is refused outright rather than normalised: a client that builds
         paths from hashes never needs it, and refusing is simpler to trust.
@@ -66,20 +67,28 @@ class Roots:
             try:
                 raw = path.encode()
             except UnicodeEncodeError:
-                return "path is not encodable"
+                return "not_a_path"
         elif isinstance(path, bytes):
             raw = path
         else:
-            return "path is not a string"
+            return "not_a_path"
         if len(raw) > self._max:
-            return "path too long"
+            return "too_long"
         for prefix, index in self._prefixes:
             if raw.startswith(prefix):
                 relative = raw[len(prefix) :]
                 if b"\0" in relative:
-                    return "NUL byte in path"
+                    return "nul_byte"
                 return self._check(index, relative)
         return self._unplaced(raw.startswith(b"/"), b"\0" in raw)
+
+    def path_of(self, index: int, relative: bytes) -> str | bytes:
+        """The absolute path of a placed file, for a reply: str where it is UTF-8."""
+        raw = os.fsencode(self.roots[index]).rstrip(b"/") + b"/" + relative
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return raw
 
     def place_canonical(self, path: object) -> Placed | str:
         """`place`, with the relative part in its canonical spelling (the module's doc).
@@ -102,18 +111,18 @@ class Roots:
         if relative.startswith(b"/"):
             relative = relative.lstrip(b"/")
         if not relative:
-            return "names a root itself, not a file"
+            return "not_a_file"
         if b".." in relative and b".." in relative.split(b"/"):
-            return "'..' component"
+            return "dotdot"
         return (index, relative)
 
     @staticmethod
     def _unplaced(absolute: bool, has_nul: bool) -> str:
         if not absolute:
-            return "relative path"
+            return "relative"
         if has_nul:
-            return "NUL byte in path"
-        return "outside the allowed roots"
+            return "nul_byte"
+        return "outside_roots"
 
 
 def canonical(relative: bytes) -> bytes:

@@ -45,6 +45,11 @@ class RecentlyWarmed:
         while len(self._entries) > self._capacity or self.bytes > self._budget:
             self._forget(next(iter(self._entries)))
 
+    def forget(self, key: Key) -> None:
+        """An evicted file: the next request for it must look again."""
+        if key in self._entries:
+            self._forget(key)
+
     def _forget(self, key: Key) -> None:
         del self._entries[key]
         self.bytes -= len(key[1]) + ENTRY_OVERHEAD_BYTES

@@ -20,14 +20,18 @@ from typing import Any
 
 import kvprefetchd
 from kvprefetch.stats import Stats
-from kvprefetchd.admit import admit
-from kvprefetchd.books import Books, ReplySink, Waiter
+from kvprefetchd.admit import Admission, admit
+from kvprefetchd.books import Books, Inspection, ReplySink, Waiter
+from kvprefetchd.channel import CHECK, EVICT_FILE, EVICT_HEAD
 from kvprefetchd.config import Config
 from kvprefetchd.confine import Roots
 from kvprefetchd.histogram import ACK_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
 from kvprefetchd.kvservice import DiscoveryPending, KVService
+from kvprefetchd.native import load_native
 from kvprefetchd.pool import WorkerPool
 from kvprefetchd.protocol import (
+    CHECK_STATES,
+    FORBIDDEN,
     INTERNAL,
     OVERLOADED,
     PROTOCOL_VERSION,
@@ -39,11 +43,13 @@ from kvprefetchd.protocol import (
     decode_payload,
     error_reply,
     ok_reply,
+    parse_inspect_options,
     parse_paths,
     parse_request,
     parse_warm_options,
     request_id_of,
 )
+from kvprefetchd.reasons import DROPPED
 
 log = logging.getLogger("kvprefetchd")
 
@@ -91,7 +97,10 @@ class Ops:
             "prefetch": self.prefetch,
             "prefetch_blocks": self.prefetch_blocks,
             "resolve": self.resolve,
+            "check": self.check,
+            "evict": self.evict,
         }
+        self.noatime_flag = int(load_native().lib.KVP_ITEM_NOATIME)
 
     def apply(self, config: Config) -> None:
         """A reload: new limits and KV profiles for the next request."""
@@ -189,8 +198,41 @@ class Ops:
 
     # ---- warming ---------------------------------------------------------------------------
 
+    def check(self, connection: ReplySink, request: Request) -> None:
+        self.inspect(connection, request, CHECK)
+
+    def evict(self, connection: ReplySink, request: Request) -> None:
+        if not self.config.allow_evict:
+            raise RequestError(
+                FORBIDDEN, "evict is off on this daemon (allow_evict = false in its config): "
+                "it would take cache from every user of the host", request.request_id)
+        self.inspect(connection, request,
+                     EVICT_FILE if request.body.get("whole") is True else EVICT_HEAD)
+
+    def inspect(self, connection: ReplySink, request: Request, mode: str) -> None:
+        """check or evict: the files go to their workers like a warm-up's (same gates, same
+        shards, same queue room), which look at them instead of reading them."""
+        options = parse_inspect_options(request, self.config.read_bytes,
+                                        self.config.max_read_bytes)
+        paths = parse_paths(request)
+        self.check_count(paths, request)
+        now = time.monotonic()
+        deadline = now + options.timeout_ms / 1000.0 if options.timeout_ms is not None else None
+        waiter = Waiter(request.request_id, now, deadline, reply_to=connection,
+                        inspection=Inspection(options.details))
+        if mode != CHECK:
+            waiter.reply_fields["evict"] = True
+        admission = admit(paths, self.roots, self.pool.room())
+        self.books.count_refused(waiter, dropped=admission.dropped_paths,
+                                 rejected=admission.refused)
+        self.pool.dispatch(admission.entries, waiter, options.read_bytes, mode)
+        self.follow_up(waiter)
+
     def warm_options(self, request: Request) -> WarmOptions:
-        return parse_warm_options(request, self.config.read_bytes, self.config.max_read_bytes)
+        config = self.config
+        return parse_warm_options(request, config.read_bytes, config.max_read_bytes,
+                                  default_deadline_ms=config.default_deadline_ms,
+                                  max_failures_listed=config.max_failures_listed)
 
     def follow(
         self, connection: ReplySink, request: Request, options: WarmOptions, *, force: bool = False
@@ -203,39 +245,68 @@ class Ops:
         timeout_ms = options.timeout_ms if options.wait else None
         deadline = now + timeout_ms / 1000.0 if timeout_ms is not None else None
         return Waiter(request.request_id, now, deadline,
-                      reply_to=connection if options.wait else None)
+                      reply_to=connection if options.wait else None,
+                      max_failures=options.max_failures)
 
     def warm(
         self, connection: ReplySink, request: Request, paths: list[Any], options: WarmOptions,
         waiter: Waiter | None, warm_mode: str,
     ) -> None:
         """Queue the files; ack now (fire and forget) or answer once they are settled."""
+        self.check_count(paths, request)
+        admission = admit(paths, self.roots, self.pool.room())
+        if admission.refused and log.isEnabledFor(logging.DEBUG):
+            for path, reason in admission.refused:
+                log.debug("rejected %r: %s", path, reason)
+        self.books.count_refused(waiter, dropped=admission.dropped_paths,
+                                 rejected=admission.refused)
+        if not options.wait:
+            # The ack goes out before the workers hear of the files: once they wake they
+            # take both CPUs of a small host, and the caller must not wait behind them.
+            fields = waiter.reply_fields if waiter is not None else {}
+            reply = ok_reply(
+                request.request_id, accepted=admission.accepted, dropped=admission.dropped,
+                rejected=admission.rejected, room=admission.room, **fields,
+            )
+            if admission.refused or admission.dropped:
+                self.list_refusals(reply, admission, options.max_failures)
+            connection.send(reply)
+        flags = self.noatime_flag if self.config.preserve_atime else 0
+        self.pool.dispatch(admission.entries, waiter, options.read_bytes, warm_mode,
+                           options.deadline, flags)
+        if waiter is not None:
+            self.follow_up(waiter)
+
+    def check_count(self, paths: list[Any], request: Request) -> None:
         if len(paths) > self.config.max_paths_per_request:
             raise RequestError(
                 TOO_LARGE,
                 f"paths: {len(paths)} exceeds the limit of {self.config.max_paths_per_request}",
                 request.request_id,
             )
-        admission = admit(paths, self.roots, self.pool.room())
-        if admission.refused and log.isEnabledFor(logging.DEBUG):
-            for path, reason in admission.refused:
-                log.debug("rejected %r: %s", path, reason)
-        self.books.count_refused(waiter, dropped=admission.dropped, rejected=admission.rejected)
-        if not options.wait:
-            # The ack goes out before the workers hear of the files: once they wake they
-            # take both CPUs of a small host, and the caller must not wait behind them.
-            fields = waiter.reply_fields if waiter is not None else {}
-            connection.send(ok_reply(
-                request.request_id, accepted=admission.accepted, dropped=admission.dropped,
-                rejected=admission.rejected, **fields,
-            ))
-        self.pool.dispatch(admission.entries, waiter, options.read_bytes, warm_mode)
-        if waiter is None:
-            return
+
+    def follow_up(self, waiter: Waiter) -> None:
+        """Answer a waiter with nothing out now, or watch its deadline."""
         if waiter.outstanding == 0:
             self.answer(waiter)
         elif waiter.deadline is not None:
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._sequence), waiter))
+
+    @staticmethod
+    def list_refusals(reply: dict[str, Any], admission: Admission, limit: int) -> None:
+        """An ack's `failures`: the files turned away at once (none of them was queued)."""
+        failures = [{"path": path, "outcome": "rejected", "reason": reason}
+                    for path, reason in admission.refused[:limit]]
+        room = limit - len(failures)
+        failures += [{"path": path, "outcome": "dropped", "reason": DROPPED}
+                     for path in admission.dropped_paths[: max(room, 0)]]
+        reply["failures"] = failures
+        reply["failures_truncated"] = admission.rejected + admission.dropped - len(failures)
+
+    def failure(self, where: Any, outcome: str, reason: str) -> dict[str, Any]:
+        """One entry of `failures`: where is the caller's path or a worker's channel entry."""
+        path = self.roots.path_of(where[1], where[2]) if type(where) is list else where
+        return {"path": path, "outcome": outcome, "reason": reason}
 
     def answer(self, waiter: Waiter) -> None:
         """The one place a followed request ends: feed the stale detector, then reply."""
@@ -249,8 +320,11 @@ class Ops:
         if waiter.reply_to is None:
             return
         elapsed = time.monotonic() - waiter.started
+        if waiter.inspection is not None:
+            waiter.reply_to.send(self.inspection_reply(waiter, waiter.inspection, elapsed))
+            return
         self.wait_latency.observe(elapsed)
-        waiter.reply_to.send(ok_reply(
+        reply = ok_reply(
             waiter.request_id,
             accepted=waiter.accepted,
             dropped=waiter.dropped,
@@ -258,7 +332,39 @@ class Ops:
             outcomes=waiter.outcome_map(),
             elapsed_us=int(elapsed * 1e6),
             **waiter.reply_fields,
-        ))
+        )
+        if waiter.failures or waiter.failures_truncated:
+            reply["failures"] = [self.failure(*entry) for entry in waiter.failures]
+            reply["failures_truncated"] = waiter.failures_truncated
+        waiter.reply_to.send(reply)
+
+    def inspection_reply(self, waiter: Waiter, inspection: Inspection,
+                         elapsed: float) -> dict[str, Any]:
+        states = {name: inspection.states.get(name, 0) for name in CHECK_STATES}
+        reply = ok_reply(
+            waiter.request_id,
+            files=sum(states.values()),
+            resident_files=states["resident"],
+            size_bytes=inspection.size_bytes,
+            resident_bytes=inspection.resident_bytes,
+            states=states,
+            elapsed_us=int(elapsed * 1e6),
+        )
+        if waiter.reply_fields.get("evict"):
+            reply["evicted_files"] = states["resident"] + states["cold"]
+        if inspection.details:
+            results = []
+            for where, state, size, cached, tier, reason in inspection.results:
+                result = {
+                    "path": self.roots.path_of(where[1], where[2]) if type(where) is list
+                    else where,
+                    "state": state, "size": size, "resident_bytes": cached, "tier_bytes": tier,
+                }
+                if reason:
+                    result["reason"] = reason
+                results.append(result)
+            reply["results"] = results
+        return reply
 
     # ---- deadlines -------------------------------------------------------------------------
 

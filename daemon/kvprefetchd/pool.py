@@ -54,6 +54,11 @@ RESPAWN_RETRY = 1.0
 CHANNEL_BUFFER_BYTES = 4 << 20
 
 
+# A worker's counter -> the stats event it adds to.
+WORKER_EVENTS = {"checked": "files_checked", "evicted": "files_evicted",
+                 "noatime_fallbacks": "noatime_fallbacks"}
+
+
 class HaltError(RuntimeError):
     """The daemon cannot go on (a worker cannot boot); the message is for the operator."""
 
@@ -125,6 +130,8 @@ class WorkerPool:
         self.killed_wedged = 0
         self.stopping = False
         self.problems_logged: set[str] = set()  # each said once, not once per worker
+        # What the workers count that outlives any one of them (stats `events`).
+        self.events: Counter[str] = Counter()
         self.held_back: set[int] = set()  # shards left empty while too many workers are stuck
         # No worker can be found wedged before this time (murder_workers keeps it a
         # lower bound of every busy worker's deadline), so the loop sleeps until then.
@@ -236,7 +243,7 @@ class WorkerPool:
 
     def dispatch(
         self, shares: list[list[list[object]]], waiter: Waiter | None, read_bytes: int,
-        warm_mode: str,
+        warm_mode: str, deadline: float = 0.0, flags: int = 0,
     ) -> None:
         """Book each worker's share of a request and send it."""
         now = time.monotonic()
@@ -247,7 +254,7 @@ class WorkerPool:
             if self.books.outstanding(index) == 0:
                 handle.heard = now  # its silence counts from now, not from its last report
             self.books.issue(index, waiter, entries)
-            self.send(handle, Warm(read_bytes, warm_mode, entries))
+            self.send(handle, Warm(read_bytes, warm_mode, entries, deadline, flags))
 
     def send(self, handle: WorkerHandle, message: Message) -> None:
         handle.output += encode(message)
@@ -304,11 +311,13 @@ class WorkerPool:
         for message in messages:
             if isinstance(message, Done):
                 settle, settled = self.books.settle, self.settled
-                for ticket, outcome, nbytes in message.settled:
-                    waiter = settle(handle.index, ticket, outcome, nbytes)
+                for record in message.settled:
+                    waiter = settle(handle.index, record)
                     if waiter is not None:
                         settled.append(waiter)
                 handle.counters.update(message.counters)
+                if message.counters:
+                    self.count_events(message.counters)
                 if message.queue:
                     handle.queue = message.queue
                 self.books.settle_anonymous(handle.index, message.anonymous,
@@ -323,6 +332,16 @@ class WorkerPool:
                     log.warning("workers: %s", message.problem)
             elif isinstance(message, BootFailed):
                 raise HaltError(f"worker {handle.index} could not boot: {message.reason}")
+
+    def count_events(self, counters: dict[str, int]) -> None:
+        for name in WORKER_EVENTS:
+            if name in counters:
+                self.events[WORKER_EVENTS[name]] += counters[name]
+        if counters.get("noatime_fallbacks") and "noatime" not in self.problems_logged:
+            self.problems_logged.add("noatime")
+            log.warning("preserve_atime: the kernel refuses O_NOATIME for some files (not "
+                        "their owner, no CAP_FOWNER): those reads update atime; counted in "
+                        "stats events.noatime_fallbacks")
 
     def take_settled(self) -> list[Waiter]:
         settled, self.settled = self.settled, []

@@ -7,6 +7,7 @@ docs/protocol.md: a 4-byte big-endian length, then one msgpack map.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,14 @@ ERROR_CODES = (
     BAD_REQUEST, UNSUPPORTED_VERSION, UNKNOWN_OP, TOO_LARGE, FORBIDDEN, OVERLOADED, INTERNAL
 )
 
-OPS = ("ping", "prefetch", "prefetch_blocks", "resolve", "stats")
+OPS = ("ping", "prefetch", "prefetch_blocks", "check", "evict", "resolve", "stats")
 
 # The outcomes of accepted files, in the order the books and the `outcomes` map list them
 # (docs/protocol.md, "Per-file outcomes"; tests/unit/test_protocol_conformance.py holds the
 # daemon, both clients and that table to the same names).
 OUTCOMES = ("read", "resident", "missing", "rejected", "failed", "expired")
+# The states of a check's or evict's files (docs/protocol.md, "Check states").
+CHECK_STATES = ("resident", "cold", "missing", "rejected", "failed", "dropped", "expired")
 
 
 class RequestError(Exception):
@@ -297,30 +300,91 @@ class WarmOptions:
     wait: bool
     read_bytes: int
     timeout_ms: int | None
+    deadline: float = 0.0  # CLOCK_MONOTONIC seconds past which no read is issued; 0: none
+    max_failures: int = 100  # files listed in `failures`
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    """How a check or evict request wants its files looked at and answered."""
+
+    read_bytes: int
+    timeout_ms: int | None
+    details: bool
+    whole: bool  # evict: the whole file, not only the head
+
+
+DEFAULT_MAX_FAILURES = 100
+
+
+def _flag(body: dict[str, Any], key: str, rid: int) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise RequestError(BAD_REQUEST, f"{key}: expected a boolean", rid)
+    return value
+
+
+def _uint(body: dict[str, Any], key: str, rid: int) -> int | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise RequestError(BAD_REQUEST, f"{key}: expected a non-negative integer", rid)
+    return value
+
+
+def _read_bytes(body: dict[str, Any], rid: int, default: int, maximum: int) -> int:
+    read_bytes = body.get("read_bytes")
+    if read_bytes is None:
+        return default
+    if isinstance(read_bytes, bool) or not isinstance(read_bytes, int) or read_bytes <= 0:
+        raise RequestError(BAD_REQUEST, "read_bytes: expected a positive integer", rid)
+    if read_bytes > maximum:
+        raise RequestError(
+            BAD_REQUEST, f"read_bytes: {read_bytes} exceeds the maximum {maximum}", rid
+        )
+    return read_bytes
+
+
+def deadline_of(body: dict[str, Any], rid: int, default_ms: int, arrived: float) -> float:
+    """The request's deadline on the monotonic clock the workers read (0.0: none).
+
+    `deadline_unix_ms` is converted once, here: past it, a worker compares monotonic
+    times only, so a wall-clock step later changes nothing."""
+    relative = _uint(body, "deadline_ms", rid)
+    absolute = _uint(body, "deadline_unix_ms", rid)
+    if relative is not None and absolute is not None:
+        raise RequestError(BAD_REQUEST, "deadline_ms and deadline_unix_ms: give one", rid)
+    if absolute is not None:
+        return max(arrived + (absolute / 1000.0 - time.time()), 1e-9)
+    milliseconds = default_ms if relative is None else relative
+    return arrived + milliseconds / 1000.0 if milliseconds else 0.0
 
 
 def parse_warm_options(
-    request: Request, default_read_bytes: int, max_read_bytes: int
+    request: Request, default_read_bytes: int, max_read_bytes: int, *,
+    default_deadline_ms: int = 0, max_failures_listed: int = DEFAULT_MAX_FAILURES,
 ) -> WarmOptions:
     body, rid = request.body, request.request_id
-    wait = body.get("wait", False)
-    if not isinstance(wait, bool):
-        raise RequestError(BAD_REQUEST, "wait: expected a boolean", rid)
-    read_bytes = body.get("read_bytes")
-    if read_bytes is None:
-        read_bytes = default_read_bytes
-    elif isinstance(read_bytes, bool) or not isinstance(read_bytes, int) or read_bytes <= 0:
-        raise RequestError(BAD_REQUEST, "read_bytes: expected a positive integer", rid)
-    elif read_bytes > max_read_bytes:
-        raise RequestError(
-            BAD_REQUEST, f"read_bytes: {read_bytes} exceeds the maximum {max_read_bytes}", rid
-        )
-    timeout_ms = body.get("timeout_ms")
-    if timeout_ms is not None and (
-        isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 0
-    ):
-        raise RequestError(BAD_REQUEST, "timeout_ms: expected a non-negative integer", rid)
-    return WarmOptions(wait, read_bytes, timeout_ms)
+    wait = _flag(body, "wait", rid)
+    read_bytes = _read_bytes(body, rid, default_read_bytes, max_read_bytes)
+    timeout_ms = _uint(body, "timeout_ms", rid)
+    deadline = deadline_of(body, rid, default_deadline_ms, time.monotonic())
+    max_failures = _uint(body, "max_failures", rid)
+    if max_failures is None:
+        max_failures = DEFAULT_MAX_FAILURES
+    return WarmOptions(wait, read_bytes, timeout_ms, deadline,
+                       min(max_failures, max_failures_listed))
+
+
+def parse_inspect_options(
+    request: Request, default_read_bytes: int, max_read_bytes: int
+) -> InspectOptions:
+    body, rid = request.body, request.request_id
+    return InspectOptions(
+        _read_bytes(body, rid, default_read_bytes, max_read_bytes),
+        _uint(body, "timeout_ms", rid),
+        _flag(body, "details", rid),
+        _flag(body, "whole", rid),
+    )
 
 
 def parse_paths(request: Request) -> list[Any]:

@@ -60,7 +60,7 @@ def build_stats(
         "engine": pool.engine_name,
         "warm_mode": warm_mode,
         "requests": dict(ops.requests),
-        "events": dict(events),
+        "events": {**events, **pool.events},
         "files": file_counts(books),
         "bytes_read": books.bytes_read,
         "kv": kv.stats(),
@@ -114,6 +114,7 @@ def file_counts(books: Books) -> FileCounts:
         "missing": totals["missing"],
         "rejected": totals["rejected"],
         "failed": totals["failed"],
+        "expired": totals["expired"],
         "expired_replies": totals["expired_replies"],
         "in_flight": books.in_flight(),
     }

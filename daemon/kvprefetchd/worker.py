@@ -9,6 +9,7 @@ they come (a Done per round: the supervisor's heartbeat of this worker).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import select
@@ -22,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from kvprefetchd.channel import (
+    CHECK,
+    EVICT_FILE,
+    INSPECT_MODES,
     BootFailed,
     ChannelReader,
     Done,
@@ -33,10 +37,11 @@ from kvprefetchd.channel import (
 )
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
 from kvprefetchd.engines import EngineSpec, WarmEngines
-from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem
+from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem, native_batch
 from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
+from kvprefetchd.native import load_native
 
 log = logging.getLogger("kvprefetchd.worker")
 
@@ -79,6 +84,8 @@ class WorkerPlan:
     def warm_mode(self) -> str:
         return next(iter(self.engines))
 
+
+INSPECT_AT_ONCE = 1024  # files per kvp_inspect call: one cffi array, bounded
 
 # mallopt(3) parameter numbers, from glibc's <malloc.h>.
 M_MMAP_THRESHOLD = -3
@@ -134,8 +141,11 @@ class Worker:
         self.anonymous_bytes = 0
         self.latency = Histogram(FILE_BUCKETS)  # per file, since the last report
         self.counters = {
-            "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0
+            "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0,
+            "checked": 0, "evicted": 0, "expired": 0, "noatime_fallbacks": 0,
         }
+        self.native = load_native()
+        self.noatime_fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
         self.reported = time.monotonic()
         self.queue_reported = 0.0
@@ -178,8 +188,12 @@ class Worker:
         return None
 
     def accept(self, message: Warm) -> None:
+        if message.warm_mode in INSPECT_MODES:
+            self.inspect(message)
+            return
         received = time.monotonic()
-        read_bytes = message.read_bytes
+        read_bytes, deadline, flags = message.read_bytes, message.deadline, message.flags
+        expired = 0.0 < deadline < received  # late already: no file of it is read
         queue = self.pending.get(message.warm_mode)
         if queue is None:
             queue = self.pending[message.warm_mode] = deque()
@@ -190,16 +204,51 @@ class Worker:
                 self.outcome(ticket, "resident", 0)
                 self.latency.observe(0.0)
                 continue
+            if expired:
+                self.counters["expired"] += 1
+                self.outcome(ticket, "expired", 0)
+                continue
             if not self.in_flight.join(key, read_bytes, ticket):
                 self.counters["dedup_in_flight"] += 1
                 continue
             root_fd = self.root_fds[root_index]
             if root_fd < 0:  # not open yet (missing at start, or its tier not answering)
                 for waiting in self.in_flight.settle(key, read_bytes):
-                    self.outcome(waiting, "missing", 0)
+                    self.outcome(waiting, "missing", 0, errno.ENOENT)
                 continue
             rule = self.rules[root_index]
-            queue.append(WarmItem(root_fd, rule, relative, read_bytes, key, received))
+            queue.append(WarmItem(root_fd, rule, relative, read_bytes, key, received, deadline,
+                                  flags))
+
+    def inspect(self, message: Warm) -> None:
+        """check or evict: look at each file (kvp_inspect) and report its state and
+        figures. On this thread, between rounds: a lookup and a cachestat per file cost
+        microseconds; a file system that hangs them is what worker_timeout is for."""
+        ffi, lib = self.native.ffi, self.native.lib
+        action = (lib.KVP_INSPECT_CHECK if message.warm_mode == CHECK
+                  else lib.KVP_INSPECT_EVICT_FILE if message.warm_mode == EVICT_FILE
+                  else lib.KVP_INSPECT_EVICT_HEAD)
+        states = self.native.check_states
+        entries = message.entries
+        self.counters["checked" if message.warm_mode == CHECK else "evicted"] += len(entries)
+        for start in range(0, len(entries), INSPECT_AT_ONCE):
+            chunk = entries[start : start + INSPECT_AT_ONCE]
+            items: list[WarmItem] = []
+            for _, root_index, relative in chunk:
+                if action != lib.KVP_INSPECT_CHECK:
+                    self.recent.forget((root_index, relative))
+                items.append(WarmItem(self.root_fds[root_index], self.rules[root_index],
+                                      relative, message.read_bytes))
+            native, keep = native_batch(ffi, items)
+            out = ffi.new("struct kvp_inspect_out[]", len(items))
+            lib.kvp_inspect(action, native, out, len(items))
+            del keep
+            for (ticket, _, _), item, result in zip(chunk, items, out, strict=True):
+                if item.root_fd < 0:
+                    self.outcomes.append([ticket, "missing", 0, errno.ENOENT, 0, 0, 0])
+                    continue
+                self.outcomes.append([ticket, states[result.state], 0, int(result.err),
+                                      int(result.size), int(result.cached), int(result.tier)])
 
     def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
         """Give the engine what waits for it: all of it (a queue) or one batch."""
@@ -246,10 +295,13 @@ class Worker:
             self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
         self.latency.observe(time.monotonic() - item.received)
+        if completion.outcome == "expired":
+            self.counters["expired"] += 1
         tickets = self.in_flight.settle(item.key, item.read_bytes)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
-            self.outcome(ticket, completion.outcome, bytes_read if position == 0 else 0)
+            self.outcome(ticket, completion.outcome, bytes_read if position == 0 else 0,
+                         completion.error)
         if completion.outcome == "failed":
             log.debug(
                 "worker %d: %r failed: %s",
@@ -258,10 +310,14 @@ class Worker:
                 os.strerror(completion.error) if completion.error else "unknown",
             )
 
-    def outcome(self, ticket: int, outcome: str, nbytes: int) -> None:
-        """Ticket 0 is a fire-and-forget file: reported as a count, not one by one."""
+    def outcome(self, ticket: int, outcome: str, nbytes: int, error: int = 0) -> None:
+        """Ticket 0 is a fire-and-forget file: reported as a count, not one by one. A
+        waited-for file that was not warmed carries its errno: the reply says why."""
         if ticket:
-            self.outcomes.append([ticket, outcome, nbytes])
+            if outcome == "read" or outcome == "resident":
+                self.outcomes.append([ticket, outcome, nbytes])
+            else:
+                self.outcomes.append([ticket, outcome, nbytes, error])
         else:
             self.anonymous[outcome] += 1
             self.anonymous_bytes += nbytes
@@ -275,6 +331,9 @@ class Worker:
             if not busy or now - self.reported < HEARTBEAT_SECONDS:
                 return
         self.reported = now
+        fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
+        self.counters["noatime_fallbacks"] += fallbacks - self.noatime_fallbacks
+        self.noatime_fallbacks = fallbacks
         counters = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
         queue: dict[str, Any] = {}

@@ -80,3 +80,18 @@ def test_the_stats_schema_is_the_documents() -> None:
 @pytest.mark.parametrize(("enum", "documented"), [(Outcome, DOC_OUTCOMES), (ErrorCode, DOC_CODES)])
 def test_the_python_clients_names_are_the_documents(enum: type, documented: list[str]) -> None:
     assert [member.value for member in enum] == documented
+
+
+def test_every_failure_reason_the_daemon_gives_is_documented() -> None:
+    from kvprefetchd import reasons
+    from kvprefetchd.confine import Roots
+
+    rows = DOC_TABLES["Failures"]
+    documented = {m.group(1) for row in rows if (m := re.fullmatch(r"`([a-z_]+)`", row[0]))}
+    roots = Roots(("/kv",), 64)
+    supervisor = {roots.place_canonical(path) for path in (
+        "kv/a", "/etc/x", "/kv/../x", "/kv/a\0b", "/kv/" + "a" * 80, 7, "/kv/", b"/kv\0")}
+    workers = {reasons.reason_of("rejected", e) for e in reasons._REJECTED}
+    named = {reasons.DROPPED, reasons.DEADLINE, reasons.WORKER_LOST}
+    assert supervisor | workers | named == documented
+    assert reasons.reason_of("missing", 2) == "ENOENT"  # the errno-name row

@@ -70,7 +70,7 @@ def test_admit_confines_shards_and_drops_past_the_room() -> None:
     assert room == [3, 100]  # pure: the caller's figures are not touched
     assert admission.rejected == 3
     assert [reason for _, reason in admission.refused] == [
-        "outside the allowed roots", "'..' component", "path is not a string",
+        "outside_roots", "dotdot", "not_a_path",
     ]
     expected = [sum(1 for i in range(10) if shard_of(0, f"{i}.bin".encode(), 2) == w)
                 for w in (0, 1)]
@@ -103,11 +103,29 @@ def test_books_complete_a_waiter_once_its_last_file_settles() -> None:
     books.issue(1, request, second)
     (t1,), (t2,) = [e[0] for e in first], [e[0] for e in second]
     assert t1 and t2 and t1 != t2  # real tickets written into the entries
-    books.count_refused(request, dropped=2, rejected=0)
-    assert books.settle(0, t1, "read", 4096) is None
-    assert books.settle(1, t2, "resident", 0) is request
+    books.count_refused(request, dropped=["/kv/x", "/kv/y"], rejected=[])
+    assert books.settle(0, [t1, "read", 4096]) is None
+    assert books.settle(1, [t2, "resident", 0]) is request
     assert request.outcome_map()["read"] == 1 and request.dropped == 2
     assert balanced(request) and books.bytes_read == 4096
+    assert request.failures == [("/kv/x", "dropped", "dropped_queue_full"),
+                                ("/kv/y", "dropped", "dropped_queue_full")]
+
+
+def test_books_name_why_each_waited_file_failed_up_to_the_limit() -> None:
+    books = Books(workers=1)
+    request = waiter()
+    request.max_failures = 2
+    files = entries(4)
+    books.issue(0, request, files)
+    books.settle(0, [files[0][0], "missing", 0, 2])
+    books.settle(0, [files[1][0], "rejected", 0, 18])
+    books.settle(0, [files[2][0], "expired", 0, 0])
+    assert books.settle(0, [files[3][0], "read", 4096]) is request
+    assert request.failures == [(files[0], "missing", "ENOENT"),
+                                (files[1], "rejected", "symlink_escape")]
+    assert request.failures_truncated == 1 and balanced(request)
+    assert books.totals["expired"] == 1
 
 
 def test_books_fail_a_dead_workers_files() -> None:
@@ -116,11 +134,11 @@ def test_books_fail_a_dead_workers_files() -> None:
     mine, other = entries(3), entries(1)
     books.issue(0, request, mine)
     books.issue(1, request, other)
-    books.settle(1, other[0][0], "read", 1)
+    books.settle(1, [other[0][0], "read", 1])
     assert books.fail_worker(0) == [request]
     assert request.outcome_map()["failed"] == 3 and balanced(request)
     assert books.outstanding(0) == 0
-    assert books.settle(0, mine[0][0], "read", 1) is None  # a late answer changes nothing
+    assert books.settle(0, [mine[0][0], "read", 1]) is None  # a late answer changes nothing
 
 
 def test_books_expire_keeps_totals_honest() -> None:
@@ -128,11 +146,11 @@ def test_books_expire_keeps_totals_honest() -> None:
     request = waiter()
     files = entries(2)
     books.issue(0, request, files)
-    books.settle(0, files[0][0], "read", 10)
+    books.settle(0, [files[0][0], "read", 10])
     books.expire(request)
     request.answered = True
     assert request.outcome_map()["expired"] == 1 and balanced(request)
-    books.settle(0, files[1][0], "read", 10)
+    books.settle(0, [files[1][0], "read", 10])
     assert books.totals["read"] == 2 and books.outstanding(0) == 0
     assert books.waiters() == []
 

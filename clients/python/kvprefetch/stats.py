@@ -62,7 +62,8 @@ class QueueStats(TypedDict, total=False):
 
 class FileCounts(TypedDict):
     """Files by fate, daemon-wide since start: accepted = read + resident + missing +
-    rejected + failed + in_flight (expired_replies counts answers, not fates)."""
+    rejected + failed + expired + in_flight (expired: past its deadline, never read;
+    expired_replies counts answers a wait timeout cut short, not fates)."""
 
     accepted: int
     dropped: int
@@ -72,6 +73,7 @@ class FileCounts(TypedDict):
     missing: int
     rejected: int
     failed: int
+    expired: int
     expired_replies: int
     in_flight: int
 
@@ -147,7 +149,8 @@ class Stats(TypedDict):
     requests: dict[str, int]
     # Other counted events: reloads, reload_refused, connections_refused, peers_forbidden,
     # peers_revoked, connections_closed_idle, connections_closed_slow, input_waits,
-    # replies_too_large, accept_paused.
+    # replies_too_large, accept_paused; from the workers: files_checked, files_evicted,
+    # noatime_fallbacks (reads preserve_atime could not keep from updating atime).
     events: dict[str, int]
     files: FileCounts
     bytes_read: int

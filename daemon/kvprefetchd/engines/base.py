@@ -53,6 +53,8 @@ class WarmItem:
     read_bytes: int  # the request's read_bytes: how much of the head to warm
     key: Any = None
     received: float = 0.0  # monotonic time the worker got it: per-file latency starts here
+    deadline: float = 0.0  # monotonic seconds past which its read is not issued; 0: none
+    flags: int = 0  # KVP_ITEM_*
 
 
 @dataclass(slots=True)  # one per file on the hot path: no frozen __setattr__ detour
@@ -186,6 +188,9 @@ def native_batch(ffi: Any, items: list[WarmItem]) -> tuple[Any, Any]:
         entry.residency = item.rule
         entry.rel = base + offset
         entry.read_bytes = item.read_bytes
+        if item.deadline:
+            entry.deadline_ns = int(item.deadline * 1e9)  # time.monotonic() is CLOCK_MONOTONIC
+        entry.flags = item.flags
         offset += len(item.relative) + 1
     return native, names
 

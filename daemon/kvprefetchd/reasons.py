@@ -1,0 +1,38 @@
+"""Why a file was not warmed: the `reason` of each entry of a reply's `failures`.
+
+One vocabulary for both gates (docs/protocol.md, "Failures"): the supervisor's lexical
+gate says its reason itself (confine.py); a worker reports an outcome and the errno behind
+it, named here. An errno that means one thing at the second gate (EXDEV: a symlink led out
+of the root under RESOLVE_BENEATH) gets that name; any other is its errno name, which an
+operator can look up.
+"""
+
+from __future__ import annotations
+
+import errno
+
+DROPPED = "dropped_queue_full"
+DEADLINE = "deadline"
+WORKER_LOST = "worker_lost"
+
+# Worker outcome `rejected`: the errno native/open.c settles it with -> reason.
+_REJECTED = {
+    errno.EXDEV: "symlink_escape",
+    errno.ELOOP: "symlink_loop",
+    errno.EISDIR: "not_regular",
+    errno.ENODEV: "not_regular",
+    errno.EINVAL: "bad_name",
+    errno.ENAMETOOLONG: "bad_name",
+    errno.ESTALE: "swapped",
+}
+
+
+def reason_of(outcome: str, err: int) -> str:
+    """The reason for a file a worker settled with `outcome` and errno `err`."""
+    if outcome == "expired":
+        return DEADLINE
+    if outcome == "rejected" and err in _REJECTED:
+        return _REJECTED[err]
+    if err:
+        return errno.errorcode.get(err, f"errno_{err}")
+    return WORKER_LOST if outcome == "failed" else outcome
