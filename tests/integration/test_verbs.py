@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_tier import daemon_on, make_files, mount
 
 from kvharness.daemon import Daemon, start_config
 from kvharness.pagecache import evict, resident_bytes
 from kvharness.wire import RawConnection
-from test_tier import daemon_on, make_files, mount, tier_files  # noqa: F401 (a fixture)
 
 KiB, MiB = 1 << 10, 1 << 20
 TWO_DAYS = 2 * 86400
@@ -50,6 +50,14 @@ def age_atime(path: str) -> float:
     st = os.stat(path)
     os.utime(path, (time.time() - TWO_DAYS, st.st_mtime))
     return os.stat(path).st_atime
+
+
+@pytest.fixture
+def tier_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A backing directory and a mount point for the simulator (as test_tier.py)."""
+    (tmp_path / "backing").mkdir()
+    (tmp_path / "mnt").mkdir()
+    return tmp_path / "backing", tmp_path / "mnt"
 
 
 @pytest.fixture
