@@ -14,16 +14,26 @@ from kvprefetch.errors import (
     Timeout,
 )
 from kvprefetch.protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, ErrorCode, Outcome
-from kvprefetch.results import PingResult, PrefetchResult, ResolveResult
+from kvprefetch.results import (
+    CheckResult,
+    Failure,
+    FileState,
+    PingResult,
+    PrefetchResult,
+    ResolveResult,
+)
 
 __all__ = [
     "DEFAULT_SOCKET",
     "PROTOCOL_VERSION",
     "AsyncClient",
+    "CheckResult",
     "Client",
     "ConnectFailed",
     "ConnectionClosed",
     "ErrorCode",
+    "Failure",
+    "FileState",
     "KVPrefetchError",
     "Outcome",
     "PingResult",

@@ -1,36 +1,40 @@
 """`kvprefetch`: ask a running kvprefetchd to warm files, or how it is doing.
 
 Exit codes are part of the interface, so scripts can tell a refusal from an absent daemon:
-0 ok, 1 the daemon refused or the call failed, 2 usage, 3 cannot connect.
+0 ok (warm: every file warmed or resident), 1 the daemon refused or the call failed,
+2 usage, 3 cannot connect, 4 some files were not warmed (missing, rejected, failed,
+expired or dropped: listed with -v; --ignore-missing lets missing files pass).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from kvprefetch import __version__
+from kvprefetch.aio import AsyncClient
+from kvprefetch.bulk import Bulk, Tally, read_paths
 from kvprefetch.client import Client
 from kvprefetch.errors import ConnectFailed, KVPrefetchError, ServerError
-from kvprefetch.protocol import DEFAULT_SOCKET, Outcome, Path, wire_path
-from kvprefetch.results import PrefetchResult, merge_prefetch
+from kvprefetch.protocol import DEFAULT_SOCKET, Outcome
+from kvprefetch.results import Failure, FileState
 from kvprefetch.stats import Stats
+from kvprefetch.statsview import summarize_stats
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NO_DAEMON = 3
+EXIT_SOME_FILES = 4
 
 SOCKET_ENV = "KVPREFETCHD_SOCKET"
-# Requests are split well below the daemon's 16 MiB frame limit so `find | kvprefetch warm -`
-# works for any number of files, and the daemon can start on early batches sooner.
-BATCH_PATHS = 4096
-BATCH_BYTES = 1024 * 1024
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = Client(args.socket, timeout=args.timeout or None)
     args.socket = client.socket_path
     try:
+        if getattr(args, "bulk", False):
+            return _run_bulk(args)
         with client:
             output = args.run(client, args)
     except ConnectFailed as exc:
@@ -49,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"kvprefetchd refused the request: {exc}", EXIT_FAILED)
     except KVPrefetchError as exc:
         return _fail(str(exc), EXIT_FAILED)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         return _fail(str(exc), EXIT_USAGE)
     if args.json:
         print(json.dumps(_jsonable(output), sort_keys=True))
@@ -77,21 +83,60 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to wait for the daemon, on top of --timeout-ms; 0 waits forever",
     )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    # Also accepted after the command; SUPPRESS keeps a global --json from being reset there.
     output = argparse.ArgumentParser(add_help=False)
-    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print one JSON object")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     ping = commands.add_parser("ping", parents=[output], help="check the daemon answers")
     ping.set_defaults(run=_run_ping, describe=_describe_ping)
 
-    warm = commands.add_parser("warm", parents=[output], help="warm the heads of files")
-    warm.add_argument("paths", nargs="+", metavar="PATH", help="files to warm; - reads stdin")
+    files = argparse.ArgumentParser(add_help=False)
+    files.add_argument("paths", nargs="*", metavar="PATH", help="files; - reads a list on stdin")
+    files.add_argument("-f", "--from-file", action="append", default=[], metavar="LIST",
+                       dest="lists", help="read paths from LIST, one a line (- for stdin)")
+    files.add_argument("-0", "--null", action="store_true",
+                       help="lists are NUL-separated (find -print0)")
+    files.add_argument("-v", "--verbose", action="store_true",
+                       help="list every file not warmed and why (check: every file)")
+    files.add_argument("--read-bytes", type=_positive, metavar="N",
+                       help="bytes per file (default: the daemon's read_bytes)")
+
+    warm = commands.add_parser(
+        "warm", parents=[output, files], help="warm the heads of files",
+        description="Warm the heads of files, streaming the list in batches paced to the "
+                    "daemon's queues; files dropped by a full queue are sent again.")
     warm.add_argument("--wait", action="store_true", help="wait for every file's outcome")
-    warm.add_argument("--read-bytes", type=_count, metavar="N", help="bytes to read per file")
     warm.add_argument(
         "--timeout-ms", type=_count, metavar="N", help="with --wait: stop waiting after N ms"
     )
-    warm.set_defaults(run=_run_warm, describe=_describe_warm)
+    warm.add_argument("--deadline-ms", type=_count, metavar="N",
+                      help="files not started within N ms of reaching the daemon are skipped "
+                           "(expired); 0: none, not even the daemon's default")
+    warm.add_argument("--ignore-missing", action="store_true",
+                      help="missing files do not make the exit code 4")
+    warm.set_defaults(bulk=True, op="warm")
+
+    check = commands.add_parser(
+        "check", parents=[output, files],
+        help="report which files are resident, reading nothing (like vmtouch)",
+        description="Residency of files by their root's rule (page cache, or the tier's "
+                    "st_blocks), without reading them or changing their atime.")
+    check.add_argument("--timeout-ms", type=_count, metavar="N",
+                       help="give up on a batch after N ms")
+    check.set_defaults(bulk=True, op="check")
+
+    evict = commands.add_parser(
+        "evict", parents=[output, files],
+        help="drop file heads (or whole files) from the page cache; the daemon must allow it",
+        description="POSIX_FADV_DONTNEED over the heads (--whole: the whole files); refused "
+                    "unless the daemon runs with allow_evict = true.")
+    evict.add_argument("--whole", action="store_true", help="evict whole files, not heads")
+    evict.add_argument("--timeout-ms", type=_count, metavar="N",
+                       help="give up on a batch after N ms")
+    evict.set_defaults(bulk=True, op="evict")
 
     kv_request = argparse.ArgumentParser(add_help=False)
     source = kv_request.add_mutually_exclusive_group(required=True)
@@ -124,11 +169,13 @@ def _parser() -> argparse.ArgumentParser:
         help="warm the files of a KV request (prefetch_blocks)",
     )
     warm_request.add_argument("--wait", action="store_true", help="wait for every outcome")
-    warm_request.add_argument("--read-bytes", type=_count, metavar="N")
+    warm_request.add_argument("--read-bytes", type=_positive, metavar="N")
     warm_request.add_argument("--timeout-ms", type=_count, metavar="N")
     warm_request.set_defaults(run=_run_warm_request, describe=_describe_warm_request)
 
-    stats = commands.add_parser("stats", parents=[output], help="show the daemon's counters")
+    stats = commands.add_parser(
+        "stats", parents=[output],
+        help="a one-screen summary of the daemon's figures (--json: all of them)")
     stats.set_defaults(run=_run_stats, describe=_describe_stats)
     return parser
 
@@ -140,6 +187,13 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative: {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
     return value
 
 
@@ -162,16 +216,120 @@ def _describe_ping(out: dict[str, Any], args: argparse.Namespace) -> str:
     )
 
 
-def _run_warm(client: Client, args: argparse.Namespace) -> dict[str, Any]:
-    if args.timeout_ms is not None and not args.wait:
+def _run_bulk(args: argparse.Namespace) -> int:
+    """warm, check and evict: the list streamed through the daemon (kvprefetch.bulk)."""
+    if not args.paths and not args.lists:
+        args.paths = ["-"]  # like cat: no operand, read stdin
+    if args.op == "warm" and args.timeout_ms is not None and not args.wait:
         raise ValueError("--timeout-ms needs --wait")
-    batches = list(_batches(_expand_paths(args.paths)))
-    if not batches:
-        return asdict(PrefetchResult(0, 0, 0))
-    results = client.prefetch_many(
-        batches, wait=args.wait, read_bytes=args.read_bytes, timeout_ms=args.timeout_ms
-    )
-    return asdict(merge_prefetch(results))
+    options: dict[str, Any] = {}
+    if args.read_bytes is not None:
+        options["read_bytes"] = args.read_bytes
+    if args.timeout_ms is not None:
+        options["timeout_ms"] = args.timeout_ms
+    if args.op == "warm" and args.deadline_ms is not None:
+        options["deadline"] = args.deadline_ms / 1000
+    if args.op == "evict" and args.whole:
+        options["whole"] = True
+    verbose = args.verbose and not args.json
+    report = _print_failure if verbose else None
+    progress = sys.stderr if sys.stderr.isatty() else None
+    paths = read_paths(args.paths, args.lists, nul=args.null)
+
+    async def go() -> Tally:
+        async with AsyncClient(args.socket, timeout=args.timeout or None) as client:
+            bulk = Bulk(client, args.op, options, wait=args.op != "warm" or args.wait,
+                        report=report, progress=progress)
+            if verbose and args.op != "warm":
+                bulk.on_file = _print_file_state
+            return await bulk.run(paths)
+
+    tally = asyncio.run(go())
+    problems = _problems(tally, args)
+    if args.json:
+        print(json.dumps(_jsonable(_tally_json(tally, args)), sort_keys=True))
+    else:
+        print(_describe_tally(tally, args))
+    return EXIT_SOME_FILES if problems else EXIT_OK
+
+
+def _problems(tally: Tally, args: argparse.Namespace) -> int:
+    """Files that make the exit code 4, from the counts (which a daemon that lists no
+    failures sends too): not warmed (warm), not looked at (check, evict)."""
+    bad = ["rejected", "failed", "expired"]
+    if args.op == "warm" and not args.ignore_missing:
+        bad.append("missing")  # check reports missing files; it does not fail on them
+    counts = tally.outcomes if args.op == "warm" else tally.states
+    supervisor = tally.rejected if args.op == "warm" else 0  # check: among its states
+    return sum(counts.get(name, 0) for name in bad) + supervisor + tally.dropped
+
+
+def _print_failure(failure: Failure) -> None:
+    print(f"{failure.outcome}\t{failure.reason}\t{_text(failure.path)}")
+
+
+def _print_file_state(state: FileState) -> None:
+    percent = 100.0 * state.resident_bytes / state.size if state.size else 100.0
+    print(f"{state.state}\t{_size(state.resident_bytes)}/{_size(state.size)}\t"
+          f"{percent:5.1f}%\t{_text(state.path)}")
+
+
+def _tally_json(tally: Tally, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "files": tally.paths, "rejected": tally.rejected, "dropped": tally.dropped,
+        "resent": tally.retried, "elapsed_s": round(time.monotonic() - tally.started, 3),
+        "failures": [asdict(f) for f in tally.failures],
+        "failures_unlisted": tally.unlisted,
+    }
+    if args.op == "warm":
+        out["accepted"] = tally.accepted
+        if args.wait:
+            out["outcomes"] = dict(tally.outcomes)
+    else:
+        out.update(states=dict(tally.states), size_bytes=tally.size_bytes,
+                   resident_bytes=tally.resident_bytes)
+        if args.op == "evict":
+            out["evicted_files"] = tally.evicted_files
+    return out
+
+
+def _describe_tally(tally: Tally, args: argparse.Namespace) -> str:
+    elapsed = time.monotonic() - tally.started
+    if args.op == "warm":
+        line = f"{tally.paths:,} files: accepted {tally.accepted:,}"
+        if args.wait:
+            named = [o.value for o in Outcome if o.value in tally.outcomes]
+            line += "; " + ", ".join(f"{name} {tally.outcomes[name]:,}" for name in named
+                                     if tally.outcomes[name])
+        line += f"; rejected {tally.rejected:,}, dropped {tally.dropped:,}"
+        if tally.retried:
+            line += f" ({tally.retried:,} resent after a full queue)"
+        return line + f" in {elapsed:.2f} s"
+    states = tally.states
+    files = sum(states.values())
+    resident = states.get("resident", 0)
+    lines = [
+        ", ".join([f"files: {files:,}", f"resident {resident:,} ({_percent(resident, files)})"]
+                  + [f"{name} {states[name]:,}" for name in
+                     ("cold", "missing", "rejected", "failed", "expired") if states.get(name)]),
+        f"resident bytes: {_size(tally.resident_bytes)} of {_size(tally.size_bytes)} "
+        f"({_percent(tally.resident_bytes, tally.size_bytes)}) in {elapsed:.2f} s",
+    ]
+    if args.op == "evict":
+        lines.insert(0, f"evicted: {tally.evicted_files:,} files")
+    return "\n".join(lines)
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def _describe_warm(out: dict[str, Any], args: argparse.Namespace) -> str:
@@ -183,6 +341,8 @@ def _describe_warm(out: dict[str, Any], args: argparse.Namespace) -> str:
         line += "; " + ", ".join(f"{name} {outcomes[name]}" for name in names)
     if out["elapsed_us"] is not None:
         line += f" in {out['elapsed_us'] / 1000:.1f} ms"
+    for failure in out["failures"]:
+        line += f"\n{failure['outcome']}\t{failure['reason']}\t{_text(failure['path'])}"
     return line
 
 
@@ -191,7 +351,23 @@ def _run_stats(client: Client, args: argparse.Namespace) -> Stats:
 
 
 def _describe_stats(out: Stats, args: argparse.Namespace) -> str:
-    return "\n".join(f"{key} {value}" for key, value in _flatten(out))
+    try:
+        return summarize_stats(out)
+    except (KeyError, TypeError, ValueError):
+        # A daemon of another version, whose map this summary does not know: every
+        # figure, one a line, rather than nothing.
+        return "\n".join(f"{key} {value}" for key, value in _flatten(out))
+
+
+def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from _flatten(value[key], f"{prefix}.{_text(key)}" if prefix else _text(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _flatten(item, f"{prefix}[{index}]")
+    else:
+        yield prefix, _text(value) if isinstance(value, bytes) else value
 
 
 def _run_resolve(client: Client, args: argparse.Namespace) -> dict[str, Any]:
@@ -295,56 +471,12 @@ def _parse_block_hashes(text: str) -> list[list[bytes]]:
 # --- helpers ------------------------------------------------------------------------------
 
 
-def _expand_paths(args: Sequence[str]) -> Iterator[Path]:
-    """Paths as the daemon needs them: absolute (it has its own cwd) and, where the name is
-    not UTF-8, as bytes. `-` stands for stdin, one path a line."""
-    for arg in args:
-        if arg == "-":
-            for line in _stdin_bytes().split(b"\n"):
-                if line:
-                    yield os.path.abspath(_text_if_utf8(line))
-        else:
-            yield os.path.abspath(wire_path(arg))
-
-
 def _stdin_bytes() -> bytes:
     buffer = getattr(sys.stdin, "buffer", None)
     if buffer is not None:
         data: bytes = buffer.read()
         return data
     return os.fsencode(sys.stdin.read())
-
-
-def _text_if_utf8(raw: bytes) -> Path:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw
-
-
-def _batches(paths: Iterator[Path]) -> Iterator[list[Path]]:
-    batch: list[Path] = []
-    size = 0
-    for path in paths:
-        length = len(path.encode() if isinstance(path, str) else path)
-        if batch and (len(batch) == BATCH_PATHS or size + length > BATCH_BYTES):
-            yield batch
-            batch, size = [], 0
-        batch.append(path)
-        size += length
-    if batch:
-        yield batch
-
-
-def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict):
-        for key in sorted(value, key=str):
-            yield from _flatten(value[key], f"{prefix}.{_text(key)}" if prefix else _text(key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from _flatten(item, f"{prefix}[{index}]")
-    else:
-        yield prefix, _text(value) if isinstance(value, bytes) else value
 
 
 def _text(value: Any) -> str:

@@ -159,10 +159,16 @@ class Operations:
         wait: bool = False,
         read_bytes: int | None = None,
         timeout_ms: int | None = None,
+        deadline: float | None = None,
+        max_failures: int | None = None,
     ) -> Exchange[results.PrefetchResult]:
-        """Warm the heads of `paths`: counts at once, or with `wait` the outcomes too."""
+        """Warm the heads of `paths`: counts at once, or with `wait` the outcomes too.
+
+        `deadline`: seconds from now after which a file not yet issued is not read (it is
+        `expired`); `failures` in the result say which files were not warmed and why."""
         request = protocol.prefetch_request(
-            paths, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
+            paths, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms, deadline=deadline,
+            max_failures=max_failures,
         )
         return Exchange.one(request, results.parse_prefetch)
 
@@ -173,15 +179,19 @@ class Operations:
         wait: bool = False,
         read_bytes: int | None = None,
         timeout_ms: int | None = None,
+        deadline: float | None = None,
+        max_failures: int | None = None,
     ) -> Exchange[list[results.PrefetchResult]]:
         """Pipeline one prefetch per batch and return their results in batch order.
 
         All requests are on the wire before the first reply is awaited, so with `wait` the
-        daemon works on them together. Every reply is collected before the first ServerError
-        is raised, leaving the connection clean.
+        daemon works on them together: keep the batches within its queues (`room` in an
+        ack says how many files they take now), or files are dropped. Every reply is
+        collected before the first ServerError is raised, leaving the connection clean.
         """
         requests = [
-            protocol.prefetch_request(b, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms)
+            protocol.prefetch_request(b, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms,
+                                      deadline=deadline, max_failures=max_failures)
             for b in batches
         ]
         return Exchange(requests, lambda replies: [_checked_prefetch(reply) for reply in replies])
@@ -192,14 +202,46 @@ class Operations:
         wait: bool = False,
         read_bytes: int | None = None,
         timeout_ms: int | None = None,
+        deadline: float | None = None,
+        max_failures: int | None = None,
         **kv_request: Any,
     ) -> Exchange[results.PrefetchResult]:
         """Warm the files a KV request (model or hash+layout, then prompts or block_hashes)
         maps to; the daemon does the hashing and path layout."""
         request = protocol.prefetch_blocks_request(
-            kv_request, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms
+            kv_request, wait=wait, read_bytes=read_bytes, timeout_ms=timeout_ms,
+            deadline=deadline, max_failures=max_failures,
         )
         return Exchange.one(request, results.parse_prefetch)
+
+    @operation
+    def check(
+        paths: Iterable[PathLike],
+        *,
+        read_bytes: int | None = None,
+        details: bool = False,
+        timeout_ms: int | None = None,
+    ) -> Exchange[results.CheckResult]:
+        """Residency of `paths` by their roots' rules, without reading them or changing
+        their atime; `details` adds each file's figures."""
+        request = protocol.inspect_request("check", paths, read_bytes=read_bytes,
+                                           details=details, timeout_ms=timeout_ms)
+        return Exchange.one(request, results.parse_check)
+
+    @operation
+    def evict(
+        paths: Iterable[PathLike],
+        *,
+        whole: bool = False,
+        read_bytes: int | None = None,
+        details: bool = False,
+        timeout_ms: int | None = None,
+    ) -> Exchange[results.CheckResult]:
+        """Drop the heads (`whole`: the whole files) of `paths` from the page cache; the
+        daemon refuses (ServerError, forbidden) unless it runs with allow_evict."""
+        request = protocol.inspect_request("evict", paths, read_bytes=read_bytes,
+                                           details=details, timeout_ms=timeout_ms, whole=whole)
+        return Exchange.one(request, results.parse_check)
 
     @operation
     def resolve(**kv_request: Any) -> Exchange[results.ResolveResult]:

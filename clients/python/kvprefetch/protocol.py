@@ -6,6 +6,7 @@ the asyncio clients share every byte-level decision made here.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections.abc import Collection, Iterable, Mapping
@@ -249,12 +250,11 @@ def prefetch_request(
     wait: bool = False,
     read_bytes: int | None = None,
     timeout_ms: int | None = None,
+    deadline: float | None = None,
+    max_failures: int | None = None,
 ) -> dict[str, Any]:
-    if isinstance(paths, str | bytes | os.PathLike):
-        # A lone path is iterable too, and would be sent one character per "path".
-        raise TypeError("paths must be a collection of paths, not a single path")
-    request = {"op": "prefetch", "paths": [wire_path(p) for p in paths]}
-    request.update(_io_options(wait, read_bytes, timeout_ms))
+    request = {"op": "prefetch", "paths": _paths(paths)}
+    request.update(_io_options(wait, read_bytes, timeout_ms, deadline, max_failures))
     return request
 
 
@@ -264,12 +264,49 @@ def prefetch_blocks_request(
     wait: bool = False,
     read_bytes: int | None = None,
     timeout_ms: int | None = None,
+    deadline: float | None = None,
+    max_failures: int | None = None,
 ) -> dict[str, Any]:
     """A `prefetch_blocks` request. The KV fields pass through untouched so a golden
     vector's `inputs` can be sent as they are (protocol.md, "KV requests")."""
     request = {**_kv_fields(kv), "op": "prefetch_blocks"}
-    request.update(_io_options(wait, read_bytes, timeout_ms))
+    request.update(_io_options(wait, read_bytes, timeout_ms, deadline, max_failures))
     return request
+
+
+def inspect_request(
+    op: str,
+    paths: Iterable[PathLike],
+    *,
+    read_bytes: int | None = None,
+    details: bool = False,
+    timeout_ms: int | None = None,
+    whole: bool = False,
+) -> dict[str, Any]:
+    """A `check` or `evict` request (`whole`: evict whole files, not only heads)."""
+    request: dict[str, Any] = {"op": op, "paths": _paths(paths), "details": bool(details)}
+    if read_bytes is not None:
+        request["read_bytes"] = _count("read_bytes", read_bytes)
+    if timeout_ms is not None:
+        request["timeout_ms"] = _count("timeout_ms", timeout_ms)
+    if whole:
+        request["whole"] = True
+    return request
+
+
+def _paths(paths: Iterable[PathLike]) -> list[Path]:
+    if isinstance(paths, str | bytes | os.PathLike):
+        # A lone path is iterable too, and would be sent one character per "path".
+        raise TypeError("paths must be a collection of paths, not a single path")
+    return [wire_path(p) for p in paths]
+
+
+def deadline_ms(seconds: float) -> int:
+    """A relative deadline on the wire: whole milliseconds, rounded up, at least 1 (0 would
+    mean "no deadline")."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+        raise ValueError(f"deadline must be a non-negative number of seconds, not {seconds!r}")
+    return max(1, math.ceil(seconds * 1000))
 
 
 def resolve_request(kv: Mapping[str, Any]) -> dict[str, Any]:
@@ -278,9 +315,10 @@ def resolve_request(kv: Mapping[str, Any]) -> dict[str, Any]:
 
 def wait_allowance_s(request: Mapping[str, Any]) -> float:
     """How much longer than the client's own timeout a reply may fairly take: a `wait`
-    request is answered only after its `timeout_ms` at worst."""
+    request (or a check or evict) is answered only after its `timeout_ms` at worst."""
     timeout_ms = request.get("timeout_ms")
-    if request.get("wait") is True and isinstance(timeout_ms, int):
+    waits = request.get("wait") is True or request.get("op") in ("check", "evict")
+    if waits and isinstance(timeout_ms, int):
         return timeout_ms / 1000
     return 0.0
 
@@ -292,7 +330,9 @@ def _kv_fields(kv: Mapping[str, Any]) -> Mapping[str, Any]:
     return kv
 
 
-def _io_options(wait: bool, read_bytes: int | None, timeout_ms: int | None) -> dict[str, Any]:
+def _io_options(wait: bool, read_bytes: int | None, timeout_ms: int | None,
+                deadline: float | None = None, max_failures: int | None = None,
+                ) -> dict[str, Any]:
     if not isinstance(wait, bool):
         raise TypeError("wait must be a bool")
     options: dict[str, Any] = {"wait": wait}
@@ -304,6 +344,10 @@ def _io_options(wait: bool, read_bytes: int | None, timeout_ms: int | None) -> d
             # silently ignored, hiding the caller's mistake.
             raise ValueError("timeout_ms only applies with wait=True")
         options["timeout_ms"] = _count("timeout_ms", timeout_ms)
+    if deadline is not None:
+        options["deadline_ms"] = deadline_ms(deadline)
+    if max_failures is not None:
+        options["max_failures"] = _count("max_failures", max_failures)
     return options
 
 

@@ -8,7 +8,7 @@ keys are ignored, as protocol.md asks of requests, so a newer daemon can add fig
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from kvprefetch.errors import ProtocolError
@@ -27,9 +27,20 @@ class PingResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """A file that was not warmed, and why (protocol.md, "Failures")."""
+
+    path: Path
+    outcome: str  # missing, rejected, failed, expired, dropped
+    reason: str  # e.g. ENOENT, outside_roots, symlink_escape, deadline, dropped_queue_full
+
+
+@dataclass(frozen=True, slots=True)
 class PrefetchResult:
     """Counts for one prefetch; `outcomes` and `elapsed_us` only come with `wait`, `files`
-    only from `prefetch_blocks`."""
+    only from `prefetch_blocks`, `room` only in acks. `failures` lists files not warmed
+    (an ack: those turned away at once), at most the request's max_failures; the rest are
+    counted in `failures_truncated`."""
 
     accepted: int
     dropped: int
@@ -37,6 +48,36 @@ class PrefetchResult:
     outcomes: dict[str, int] | None = None
     elapsed_us: int | None = None
     files: int | None = None
+    failures: list[Failure] = field(default_factory=list)
+    failures_truncated: int = 0
+    room: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FileState:
+    """One file of a check or evict with details."""
+
+    path: Path
+    state: str  # resident, cold, missing, rejected, failed, dropped
+    size: int
+    resident_bytes: int
+    tier_bytes: int
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """What a check (or an evict, after eviction) found: counts by state, bytes, and with
+    details each file's figures."""
+
+    files: int
+    resident_files: int
+    size_bytes: int
+    resident_bytes: int
+    states: dict[str, int]
+    elapsed_us: int
+    evicted_files: int | None = None
+    results: list[FileState] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +111,53 @@ def parse_prefetch(reply: Reply) -> PrefetchResult:
         outcomes=outcomes,
         elapsed_us=_optional_int(reply, "elapsed_us"),
         files=_optional_int(reply, "files"),
+        failures=_failures(reply),
+        failures_truncated=_optional_int(reply, "failures_truncated") or 0,
+        room=_optional_int(reply, "room"),
+    )
+
+
+def _failures(reply: Reply) -> list[Failure]:
+    raw = reply.get("failures")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ProtocolError(f"'failures' is not an array: {raw!r}")
+    failures = []
+    for entry in raw:
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str | bytes)
+                and isinstance(entry.get("outcome"), str) and isinstance(entry.get("reason"), str)):
+            raise ProtocolError(f"not a failure (path, outcome, reason): {entry!r}")
+        failures.append(Failure(entry["path"], entry["outcome"], entry["reason"]))
+    return failures
+
+
+def parse_check(reply: Reply) -> CheckResult:
+    states = _get(reply, "states", dict)
+    if not all(isinstance(k, str) and _is_int(v) for k, v in states.items()):
+        raise ProtocolError(f"'states' is not a map of state to count: {states!r}")
+    results = None
+    if reply.get("results") is not None:
+        results = []
+        for entry in _get(reply, "results", list):
+            if not isinstance(entry, dict) or not isinstance(entry.get("path"), str | bytes):
+                raise ProtocolError(f"not a file's check result: {entry!r}")
+            reason = entry.get("reason")
+            results.append(FileState(
+                path=entry["path"], state=_get(entry, "state", str), size=_int(entry, "size"),
+                resident_bytes=_int(entry, "resident_bytes"),
+                tier_bytes=_int(entry, "tier_bytes"),
+                reason=reason if isinstance(reason, str) else None,
+            ))
+    return CheckResult(
+        files=_int(reply, "files"),
+        resident_files=_int(reply, "resident_files"),
+        size_bytes=_int(reply, "size_bytes"),
+        resident_bytes=_int(reply, "resident_bytes"),
+        states=states,
+        elapsed_us=_int(reply, "elapsed_us"),
+        evicted_files=_optional_int(reply, "evicted_files"),
+        results=results,
     )
 
 
@@ -109,6 +197,7 @@ def merge_prefetch(results: Iterable[PrefetchResult]) -> PrefetchResult:
                 outcomes[name] = outcomes.get(name, 0) + count
     elapsed = [r.elapsed_us for r in results if r.elapsed_us is not None]
     files = [r.files for r in results if r.files is not None]
+    rooms = [r.room for r in results if r.room is not None]
     return PrefetchResult(
         accepted=sum(r.accepted for r in results),
         dropped=sum(r.dropped for r in results),
@@ -116,6 +205,9 @@ def merge_prefetch(results: Iterable[PrefetchResult]) -> PrefetchResult:
         outcomes=outcomes,
         elapsed_us=max(elapsed) if elapsed else None,
         files=sum(files) if files else None,
+        failures=[f for r in results for f in r.failures],
+        failures_truncated=sum(r.failures_truncated for r in results),
+        room=rooms[-1] if rooms else None,
     )
 
 

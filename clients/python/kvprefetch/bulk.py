@@ -1,0 +1,259 @@
+"""Bulk verbs for the CLI: stream any number of paths through the daemon, losing none.
+
+`kvprefetch warm|check|evict` over a list of 10^6 files must not read the list whole, must
+not overrun the daemon's bounded queues (which drop files rather than make anyone wait),
+and must say which files were not warmed. So the paths are read as they are sent, in
+batches of BATCH_PATHS, with at most WINDOW requests on the wire (memory: WINDOW batches,
+whatever the list's length); every request asks for all its failures to be listed
+(max_failures = the batch), so a file the daemon dropped for a full queue is known by name
+and sent again after a backoff; and between fire-and-forget batches the sender waits while
+the daemon's acks say its queues have no room for another batch (`room`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from kvprefetch.aio import AsyncClient
+from kvprefetch.protocol import Path
+from kvprefetch.results import CheckResult, Failure, FileState, PrefetchResult
+
+BATCH_PATHS = 1024
+BATCH_BYTES = 1 << 20
+WINDOW = 8  # requests in flight: 8 x 1,024 files, half the daemon's default queues
+MAX_ATTEMPTS = 40  # sends of one dropped file before it is given up (counted dropped)
+BACKOFF_FIRST_S = 0.005
+BACKOFF_MAX_S = 0.5
+LISTED_MAX = 100_000  # failures kept for --json; -v prints them as they come instead
+PROGRESS_EVERY_S = 0.2
+READ_CHUNK = 1 << 20
+
+
+def read_paths(paths: Iterable[str], lists: Iterable[str], *, nul: bool,
+               stdin: IO[bytes] | None = None) -> Iterator[Path]:
+    """The command line's paths, then those of its list files, as they are read: `-`
+    (as a path or a list) is stdin; a list holds one path a line (NUL-separated with
+    `nul`). Relative paths become absolute (the daemon has its own cwd); names that are
+    not UTF-8 stay bytes."""
+    separator = b"\0" if nul else b"\n"
+    for path in paths:
+        if path == "-":
+            yield from _split(stdin if stdin is not None else sys.stdin.buffer, separator)
+        else:
+            yield _absolute(os.fsencode(path))
+    for name in lists:
+        if name == "-":
+            yield from _split(stdin if stdin is not None else sys.stdin.buffer, separator)
+        else:
+            with open(name, "rb") as listing:
+                yield from _split(listing, separator)
+
+
+def _split(handle: IO[bytes], separator: bytes) -> Iterator[Path]:
+    rest = b""
+    while chunk := handle.read(READ_CHUNK):
+        lines = (rest + chunk).split(separator)
+        rest = lines.pop()
+        for line in lines:
+            if line:
+                yield _absolute(line)
+    if rest.strip(b"\r\n" if separator == b"\n" else b""):
+        yield _absolute(rest)
+
+
+def _absolute(raw: bytes) -> Path:
+    if raw.endswith(b"\r"):
+        raw = raw[:-1]
+    if not raw.startswith(b"/"):
+        raw = os.path.join(os.getcwdb(), raw)
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return raw
+
+
+def batches(paths: Iterator[Path], size: int = BATCH_PATHS) -> Iterator[list[Path]]:
+    batch: list[Path] = []
+    nbytes = 0
+    for path in paths:
+        length = len(path)  # characters: close enough to bytes for a frame budget
+        if batch and (len(batch) == size or nbytes + length > BATCH_BYTES):
+            yield batch
+            batch, nbytes = [], 0
+        batch.append(path)
+        nbytes += length
+    if batch:
+        yield batch
+
+
+@dataclass
+class Tally:
+    """What a bulk run did, over every request it sent."""
+
+    paths: int = 0  # read from the input
+    accepted: int = 0
+    rejected: int = 0  # by the supervisor
+    dropped: int = 0  # given up after MAX_ATTEMPTS
+    retried: int = 0  # sends of a dropped file again
+    outcomes: Counter[str] = field(default_factory=Counter)  # warm --wait
+    states: Counter[str] = field(default_factory=Counter)  # check, evict
+    size_bytes: int = 0
+    resident_bytes: int = 0
+    evicted_files: int = 0
+    failures: list[Failure] = field(default_factory=list)  # first LISTED_MAX
+    failures_by_outcome: Counter[str] = field(default_factory=Counter)
+    unlisted: int = 0  # failures the daemon counted without naming (wait timeouts)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def settled(self) -> int:
+        return (sum(self.outcomes.values()) + sum(self.states.values()) + self.rejected
+                + self.dropped)
+
+
+Report = Callable[[Failure], None]
+
+
+class Bulk:
+    """One bulk run: `op` is warm, check or evict; `options` go into each request."""
+
+    def __init__(self, client: AsyncClient, op: str, options: dict[str, Any], *,
+                 wait: bool = True, report: Report | None = None,
+                 progress: IO[str] | None = None) -> None:
+        self.client = client
+        self.op = op
+        self.options = options
+        self.wait = wait
+        self.report = report
+        self.progress = progress
+        self.on_file: Callable[[FileState], None] | None = None
+        self.tally = Tally()
+        self.room: int | None = None
+        self._window = asyncio.Semaphore(WINDOW)
+        self._shown = 0.0
+
+    async def run(self, paths: Iterator[Path]) -> Tally:
+        loop = asyncio.get_running_loop()
+        source = batches(paths)
+        tasks: set[asyncio.Task[None]] = set()
+        while True:
+            await self._window.acquire()
+            # The list is read off the loop: a slow pipe (find | kvprefetch) must not stall
+            # the replies of the requests in flight.
+            batch = await loop.run_in_executor(None, next, source, None)
+            if batch is None:
+                self._window.release()
+                break
+            self.tally.paths += len(batch)
+            task = asyncio.create_task(self._send(batch))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if tasks and any(t.done() and t.exception() for t in list(tasks)):
+                break
+        if tasks:
+            await asyncio.gather(*tasks)
+        self.show(final=True)
+        return self.tally
+
+    async def _send(self, batch: list[Path]) -> None:
+        try:
+            attempt = 0
+            while batch:
+                if attempt:
+                    await asyncio.sleep(min(BACKOFF_FIRST_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
+                    self.tally.retried += len(batch)
+                dropped = await (self._warm(batch) if self.op == "warm" else self._inspect(batch))
+                attempt += 1
+                if dropped and attempt >= MAX_ATTEMPTS:
+                    self.tally.dropped += len(dropped)
+                    for path in dropped:
+                        self._failed(Failure(path, "dropped", "dropped_queue_full"))
+                    break
+                batch = dropped
+            if not self.wait:
+                await self._pace()
+            self.show()
+        finally:
+            self._window.release()
+
+    async def _warm(self, batch: list[Path]) -> list[Path]:
+        result: PrefetchResult = await self.client.prefetch(
+            batch, wait=self.wait, max_failures=len(batch), **self.options)
+        tally = self.tally
+        tally.accepted += result.accepted
+        tally.rejected += result.rejected
+        if result.outcomes:
+            tally.outcomes.update(result.outcomes)
+        if result.room is not None:
+            self.room = result.room
+        tally.unlisted += result.failures_truncated
+        dropped = []
+        for failure in result.failures:
+            if failure.outcome == "dropped":
+                dropped.append(failure.path)
+            else:
+                self._failed(failure)
+        return dropped
+
+    async def _inspect(self, batch: list[Path]) -> list[Path]:
+        call = self.client.check if self.op == "check" else self.client.evict
+        result: CheckResult = await call(batch, details=True, **self.options)
+        tally = self.tally
+        dropped = []
+        for state in result.results or []:
+            if state.state == "dropped":
+                dropped.append(state.path)
+                continue
+            tally.states[state.state] += 1
+            if state.reason is not None and state.state not in ("resident", "cold"):
+                self._failed(Failure(state.path, state.state, state.reason))
+            if self.on_file is not None:
+                self.on_file(state)
+        tally.size_bytes += result.size_bytes
+        tally.resident_bytes += result.resident_bytes
+        tally.evicted_files += result.evicted_files or 0
+        tally.states["expired"] += result.states.get("expired", 0)
+        return dropped
+
+    async def _pace(self) -> None:
+        """Fire and forget: while the last ack said the queues cannot take a batch, wait
+        for them to drain (asking with empty prefetches, which only report the room)."""
+        delay = BACKOFF_FIRST_S
+        while self.room is not None and self.room < BATCH_PATHS:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+            probe = await self.client.prefetch([])
+            self.room = probe.room if probe.room is not None else None
+
+    def _failed(self, failure: Failure) -> None:
+        tally = self.tally
+        tally.failures_by_outcome[failure.outcome] += 1
+        if self.report is not None:
+            self.report(failure)
+        elif len(tally.failures) < LISTED_MAX:
+            tally.failures.append(failure)
+
+    def show(self, final: bool = False) -> None:
+        """A progress line on a terminal, at most every PROGRESS_EVERY_S."""
+        if self.progress is None:
+            return
+        now = time.monotonic()
+        if not final and now - self._shown < PROGRESS_EVERY_S:
+            return
+        self._shown = now
+        tally = self.tally
+        elapsed = max(now - tally.started, 1e-6)
+        done = tally.settled if (self.wait or self.op != "warm") else tally.accepted
+        line = (f"\rkvprefetch {self.op}: {done:,} of {tally.paths:,} files "
+                f"({done / elapsed:,.0f}/s)")
+        if tally.retried:
+            line += f", {tally.retried:,} resent after a full queue"
+        self.progress.write(line + ("\n" if final else ""))
+        self.progress.flush()
