@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvprefetchd.protocol import OUTCOMES
-from kvprefetchd.reasons import DROPPED, reason_of
+from kvprefetchd.reasons import DROPPED, given_path, reason_of
 
 if TYPE_CHECKING:
     from kvprefetchd.kv import Profile
@@ -51,9 +51,9 @@ class Waiter:
     outcomes: Counter[str] = field(default_factory=Counter)
     answered: bool = False
     # The files that were not warmed, for the reply's `failures`: (where, outcome,
-    # reason), where is the caller's path (refused by the supervisor) or the file's
-    # channel entry [ticket, root_index, relative] (settled by a worker). At most
-    # max_failures; the rest are counted.
+    # reason), where is the caller's path as str or bytes (refused by the supervisor)
+    # or a tuple (root_index, relative) (settled by a worker). At most max_failures;
+    # the rest are counted.
     max_failures: int = 100  # protocol.DEFAULT_MAX_FAILURES
     failures: list[tuple[Any, str, str]] = field(default_factory=list)
     failures_truncated: int = 0
@@ -72,7 +72,7 @@ class Waiter:
 @dataclass(slots=True, eq=False)
 class Inspection:
     """What check and evict add up: files by state, bytes, and with `details` each file's
-    [where, state, size, cached, tier, reason]."""
+    [where, state, size, cached, tier, reason] (where as in Waiter.failures)."""
 
     details: bool
     states: Counter[str] = field(default_factory=Counter)
@@ -145,9 +145,9 @@ class Books:
         """Files dropped (queue full) or rejected before queuing: settled on the spot."""
         if waiter is not None and waiter.inspection is not None:
             for path, reason in rejected:
-                waiter.inspection.add(path, "rejected", 0, 0, 0, reason)
+                waiter.inspection.add(given_path(path), "rejected", 0, 0, 0, reason)
             for path in dropped:
-                waiter.inspection.add(path, "dropped", 0, 0, 0, DROPPED)
+                waiter.inspection.add(given_path(path), "dropped", 0, 0, 0, DROPPED)
             return
         self.totals["dropped"] += len(dropped)
         self.totals["rejected_by_supervisor"] += len(rejected)
@@ -155,9 +155,9 @@ class Books:
             waiter.dropped += len(dropped)
             waiter.rejected += len(rejected)
             for path, reason in rejected:
-                waiter.fail(path, "rejected", reason)
+                waiter.fail(given_path(path), "rejected", reason)
             for path in dropped:
-                waiter.fail(path, "dropped", DROPPED)
+                waiter.fail(given_path(path), "dropped", DROPPED)
 
     def settle(self, worker: int, record: list[Any]) -> Waiter | None:
         """Record one outcome, [ticket, outcome, bytes] or, for a file not warmed,
@@ -177,13 +177,13 @@ class Books:
         if inspection is not None:
             err = record[3] if len(record) > 3 else 0
             size, cached, tier = record[4:7] if len(record) > 6 else (0, 0, 0)
-            inspection.add(entry, outcome, size, cached, tier,
+            inspection.add((entry[1], entry[2]), outcome, size, cached, tier,
                            reason_of(outcome, err) if err or outcome == "failed" else "")
         else:
             waiter.outcomes[outcome] += 1
             if outcome != "read" and outcome != "resident":
-                waiter.fail(entry, outcome, reason_of(outcome, record[3] if len(record) > 3
-                                                      else 0))
+                waiter.fail((entry[1], entry[2]), outcome,
+                            reason_of(outcome, record[3] if len(record) > 3 else 0))
         waiter.outstanding -= 1
         return waiter if waiter.outstanding == 0 else None
 

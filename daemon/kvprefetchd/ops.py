@@ -49,7 +49,7 @@ from kvprefetchd.protocol import (
     parse_warm_options,
     request_id_of,
 )
-from kvprefetchd.reasons import DROPPED
+from kvprefetchd.reasons import DROPPED, given_path
 
 log = logging.getLogger("kvprefetchd")
 
@@ -295,17 +295,17 @@ class Ops:
     @staticmethod
     def list_refusals(reply: dict[str, Any], admission: Admission, limit: int) -> None:
         """An ack's `failures`: the files turned away at once (none of them was queued)."""
-        failures = [{"path": path, "outcome": "rejected", "reason": reason}
+        failures = [{"path": given_path(path), "outcome": "rejected", "reason": reason}
                     for path, reason in admission.refused[:limit]]
         room = limit - len(failures)
-        failures += [{"path": path, "outcome": "dropped", "reason": DROPPED}
+        failures += [{"path": given_path(path), "outcome": "dropped", "reason": DROPPED}
                      for path in admission.dropped_paths[: max(room, 0)]]
         reply["failures"] = failures
         reply["failures_truncated"] = admission.rejected + admission.dropped - len(failures)
 
     def failure(self, where: Any, outcome: str, reason: str) -> dict[str, Any]:
-        """One entry of `failures`: where is the caller's path or a worker's channel entry."""
-        path = self.roots.path_of(where[1], where[2]) if type(where) is list else where
+        """One entry of `failures`: where is the caller's path, or (root_index, relative)."""
+        path = self.roots.path_of(*where) if type(where) is tuple else where
         return {"path": path, "outcome": outcome, "reason": reason}
 
     def answer(self, waiter: Waiter) -> None:
@@ -356,8 +356,7 @@ class Ops:
             results = []
             for where, state, size, cached, tier, reason in inspection.results:
                 result = {
-                    "path": self.roots.path_of(where[1], where[2]) if type(where) is list
-                    else where,
+                    "path": self.roots.path_of(*where) if type(where) is tuple else where,
                     "state": state, "size": size, "resident_bytes": cached, "tier_bytes": tier,
                 }
                 if reason:

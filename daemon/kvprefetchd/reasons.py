@@ -27,6 +27,14 @@ _REJECTED = {
 }
 
 
+def given_path(path: object) -> str | bytes:
+    """A refused path as a reply names it: as sent when it is a path (str or bin), else
+    its repr, cut short (a `not_a_path` may be any msgpack value)."""
+    if isinstance(path, str | bytes):
+        return path
+    return repr(path)[:200]
+
+
 def reason_of(outcome: str, err: int) -> str:
     """The reason for a file a worker settled with `outcome` and errno `err`."""
     if outcome == "expired":

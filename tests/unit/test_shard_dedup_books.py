@@ -122,8 +122,8 @@ def test_books_name_why_each_waited_file_failed_up_to_the_limit() -> None:
     books.settle(0, [files[1][0], "rejected", 0, 18])
     books.settle(0, [files[2][0], "expired", 0, 0])
     assert books.settle(0, [files[3][0], "read", 4096]) is request
-    assert request.failures == [(files[0], "missing", "ENOENT"),
-                                (files[1], "rejected", "symlink_escape")]
+    assert request.failures == [((files[0][1], files[0][2]), "missing", "ENOENT"),
+                                ((files[1][1], files[1][2]), "rejected", "symlink_escape")]
     assert request.failures_truncated == 1 and balanced(request)
     assert books.totals["expired"] == 1
 
