@@ -6,8 +6,8 @@ and must say which files were not warmed. So the paths are read as they are sent
 batches of BATCH_PATHS, with at most WINDOW requests on the wire (memory: WINDOW batches,
 whatever the list's length); every request asks for all its failures to be listed
 (max_failures = the batch), so a file the daemon dropped for a full queue is known by name
-and sent again after a backoff; and between fire-and-forget batches the sender waits while
-the daemon's acks say its queues have no room for another batch (`room`).
+and sent again after a backoff; and a fire-and-forget batch is sent only while the
+daemon's last ack (`room`), less what was sent since, leaves room for it.
 """
 
 from __future__ import annotations
@@ -135,7 +135,9 @@ class Bulk:
         self.progress = progress
         self.on_file: Callable[[FileState], None] | None = None
         self.tally = Tally()
-        self.room: int | None = None
+        self.room: int | None = None  # the queues' room, as the last ack said
+        self.unacked = 0  # fire-and-forget paths sent since: not in that figure yet
+        self.most_room = 0  # the most room an ack ever said: about the queues' size
         self._window = asyncio.Semaphore(WINDOW)
         self._shown = 0.0
 
@@ -169,7 +171,16 @@ class Bulk:
                 if attempt:
                     await asyncio.sleep(min(BACKOFF_FIRST_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
                     self.tally.retried += len(batch)
-                dropped = await (self._warm(batch) if self.op == "warm" else self._inspect(batch))
+                if self.op == "warm" and not self.wait:
+                    await self._pace(len(batch))
+                    self.unacked += len(batch)
+                    try:
+                        dropped = await self._warm(batch)
+                    finally:
+                        self.unacked -= len(batch)
+                else:
+                    dropped = await (self._warm(batch) if self.op == "warm"
+                                     else self._inspect(batch))
                 attempt += 1
                 if dropped and attempt >= MAX_ATTEMPTS:
                     self.tally.dropped += len(dropped)
@@ -177,8 +188,6 @@ class Bulk:
                         self._failed(Failure(path, "dropped", "dropped_queue_full"))
                     break
                 batch = dropped
-            if not self.wait:
-                await self._pace()
             self.show()
         finally:
             self._window.release()
@@ -193,6 +202,7 @@ class Bulk:
             tally.outcomes.update(result.outcomes)
         if result.room is not None:
             self.room = result.room
+            self.most_room = max(self.most_room, result.room)
         tally.unlisted += result.failures_truncated
         dropped = []
         for failure in result.failures:
@@ -222,15 +232,21 @@ class Bulk:
         tally.states["expired"] += result.states.get("expired", 0)
         return dropped
 
-    async def _pace(self) -> None:
-        """Fire and forget: while the last ack said the queues cannot take a batch, wait
-        for them to drain (asking with empty prefetches, which only report the room)."""
+    async def _pace(self, files: int) -> None:
+        """Fire and forget: send only what the queues have room for, as far as the last
+        ack said, less what was sent since; twice the batch, since the daemon's room is
+        per worker and a batch splits over them unevenly. While there is none, wait for
+        the queues to drain (an empty prefetch only reports the room)."""
         delay = BACKOFF_FIRST_S
-        while self.room is not None and self.room < BATCH_PATHS:
+        # Queues smaller than that take what they can, the rest is resent.
+        while self.room is not None and self.room - self.unacked < min(2 * files,
+                                                                       self.most_room):
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
-            probe = await self.client.prefetch([])
-            self.room = probe.room if probe.room is not None else None
+            if self.unacked == 0:  # else the acks on their way will say
+                probe = await self.client.prefetch([])
+                self.room = probe.room
+                self.most_room = max(self.most_room, probe.room or 0)
 
     def _failed(self, failure: Failure) -> None:
         tally = self.tally
