@@ -3,6 +3,7 @@ package kvprefetch
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -100,15 +101,17 @@ func (c *Client) Prefetch(ctx context.Context, paths []string, opts PrefetchOpti
 		if len(paths) == 0 {
 			return PrefetchResult{}, nil
 		}
+		deadline := deadlineOf(opts, ctx)
 		return PrefetchResult{}, c.fire(ctx, len(paths), func(id uint64) (*bytes.Buffer, error) {
-			return encodePrefetch(id, paths, opts, nil, c.opts.MaxFrameBytes)
+			return encodePrefetch(id, paths, opts, nil, deadline, c.opts.MaxFrameBytes)
 		})
 	}
+	deadline := deadlineOf(opts, ctx) // the caller's deadline, not the call's bound
 	ctx, cancel := c.bound(ctx, waitAllowance(opts))
 	defer cancel()
 	timeoutMS := opts.timeoutMS(ctx)
 	r, err := c.roundTrip(ctx, func(id uint64) (*bytes.Buffer, error) {
-		return encodePrefetch(id, paths, opts, timeoutMS, c.opts.MaxFrameBytes)
+		return encodePrefetch(id, paths, opts, timeoutMS, deadline, c.opts.MaxFrameBytes)
 	})
 	if err != nil {
 		return PrefetchResult{}, err
@@ -125,10 +128,12 @@ func (c *Client) PrefetchBlocks(ctx context.Context, req BlocksRequest) (Prefetc
 	if err := opts.check(); err != nil {
 		return PrefetchResult{}, err
 	}
+	deadlineMS, deadlineUnixMS := opts.deadline(ctx) // the caller's, not the call's bound
 	build := func(ctx context.Context) func(uint64) (*bytes.Buffer, error) {
 		wire := kvRequest{
 			V: ProtocolVersion, Op: opPrefetchBlocks, KVRequest: req.KVRequest,
 			Wait: opts.Wait, ReadBytes: opts.ReadBytes, TimeoutMS: opts.timeoutMS(ctx),
+			DeadlineMS: deadlineMS, DeadlineUnixMS: deadlineUnixMS, MaxFailures: opts.MaxFailures,
 		}
 		return func(id uint64) (*bytes.Buffer, error) {
 			wire.ID = id
@@ -145,6 +150,44 @@ func (c *Client) PrefetchBlocks(ctx context.Context, req BlocksRequest) (Prefetc
 		return PrefetchResult{}, err
 	}
 	return r.prefetch()
+}
+
+// Check reports the residency of paths by their roots' rules (page cache, or a tier's
+// st_blocks), reading nothing and changing no atime, like vmtouch without -t.
+func (c *Client) Check(ctx context.Context, paths []string, opts CheckOptions) (CheckResult, error) {
+	if opts.Whole {
+		return CheckResult{}, errors.New("kvprefetch: Whole applies only to Evict")
+	}
+	return c.inspect(ctx, opCheck, paths, opts)
+}
+
+// Evict drops the heads of paths (opts.Whole: the whole files) from the page cache, for
+// benchmarks and operators. The daemon refuses (a *ServerError, CodeForbidden) unless it
+// runs with allow_evict = true: it takes cache from every user of the host.
+func (c *Client) Evict(ctx context.Context, paths []string, opts CheckOptions) (CheckResult, error) {
+	return c.inspect(ctx, opEvict, paths, opts)
+}
+
+func (c *Client) inspect(ctx context.Context, op string, paths []string, opts CheckOptions) (CheckResult, error) {
+	if opts.ReadBytes < 0 || opts.Timeout < 0 {
+		return CheckResult{}, errors.New("kvprefetch: ReadBytes and Timeout must not be negative")
+	}
+	ctx, cancel := c.bound(ctx, opts.Timeout)
+	defer cancel()
+	wire := inspectRequest{V: ProtocolVersion, Op: op, Paths: paths, ReadBytes: opts.ReadBytes,
+		Details: opts.Details, Whole: opts.Whole}
+	if opts.Timeout > 0 {
+		ms := opts.Timeout.Milliseconds()
+		wire.TimeoutMS = &ms
+	}
+	r, err := c.roundTrip(ctx, func(id uint64) (*bytes.Buffer, error) {
+		wire.ID = id
+		return encodeValue(&wire, c.opts.MaxFrameBytes)
+	})
+	if err != nil {
+		return CheckResult{}, err
+	}
+	return r.checkResult()
 }
 
 // Resolve returns the block hashes and file paths a KV request maps to, without any I/O:

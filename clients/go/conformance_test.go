@@ -50,7 +50,7 @@ func TestNamesAreTheProtocolDocuments(t *testing.T) {
 		table string
 		names []string
 	}{
-		{"Requests", []string{opPing, opPrefetch, opPrefetchBlocks, opResolve, opStats}},
+		{"Requests", []string{opPing, opPrefetch, opPrefetchBlocks, opCheck, opEvict, opResolve, opStats}},
 		{"Per-file outcomes", []string{OutcomeRead, OutcomeResident, OutcomeMissing,
 			OutcomeDropped, OutcomeRejected, OutcomeFailed, OutcomeExpired}},
 		{"Errors", []string{CodeBadRequest, CodeUnsupportedVersion, CodeUnknownOp,

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -478,5 +479,96 @@ func TestCloseEndsCalls(t *testing.T) {
 	_, err := c.Prefetch(context.Background(), []string{"/x"}, kvprefetch.PrefetchOptions{})
 	if !errors.Is(err, kvprefetch.ErrDropped) || !errors.Is(err, kvprefetch.ErrClosed) {
 		t.Fatalf("fire-and-forget after Close: %v", err)
+	}
+}
+
+func TestWaitNamesTheFilesNotWarmedAndWhy(t *testing.T) {
+	d := sharedDaemon(t)
+	c := newClient(t, d.Socket, kvprefetch.Options{})
+	ctx := testwait.Within(t, 30*time.Second)
+	good := d.MakeFile(t, "why/good.bin", 4096)
+	absent := filepath.Join(d.Root, "why/absent.bin")
+	done, err := c.Prefetch(ctx, []string{good, absent, "/etc/passwd"}, kvprefetch.PrefetchOptions{Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[kvprefetch.Failure]bool{
+		{Path: absent, Outcome: kvprefetch.OutcomeMissing, Reason: "ENOENT"}:                true,
+		{Path: "/etc/passwd", Outcome: kvprefetch.OutcomeRejected, Reason: "outside_roots"}: true,
+	}
+	if len(done.Failures) != 2 || !want[done.Failures[0]] || !want[done.Failures[1]] || done.FailuresTruncated != 0 {
+		t.Fatalf("failures: %+v", done)
+	}
+	ack, err := c.Prefetch(ctx, []string{good}, kvprefetch.PrefetchOptions{Ack: true})
+	if err != nil || ack.Room <= 0 || ack.Failures != nil {
+		t.Fatalf("ack: %+v, %v", ack, err)
+	}
+}
+
+func TestAPastDeadlineReadsNothingAndAContextDeadlineRidesAlong(t *testing.T) {
+	d := sharedDaemon(t)
+	c := newClient(t, d.Socket, kvprefetch.Options{})
+	ctx := testwait.Within(t, 30*time.Second)
+	var paths []string
+	for i := 0; i < 8; i++ {
+		paths = append(paths, d.MakeFile(t, fmt.Sprintf("late/%d.bin", i), 4096))
+	}
+	late, err := c.Prefetch(ctx, paths, kvprefetch.PrefetchOptions{Wait: true, Deadline: time.Now().Add(-time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if late.Outcomes[kvprefetch.OutcomeExpired] != 8 || len(late.Failures) != 8 || late.Failures[0].Reason != "deadline" {
+		t.Fatalf("past deadline: %+v", late)
+	}
+	// The context's deadline (a router's request) is minutes away: every file is read.
+	onTime, err := c.Prefetch(ctx, paths, kvprefetch.PrefetchOptions{Wait: true})
+	if err != nil || onTime.Outcomes[kvprefetch.OutcomeExpired] != 0 || onTime.Failures != nil {
+		t.Fatalf("within the context's deadline: %+v, %v", onTime, err)
+	}
+}
+
+func TestCheckAndEvict(t *testing.T) {
+	d := daemontest.Start(t, daemontest.Config{Extra: "allow_evict = true\n"})
+	c := newClient(t, d.Socket, kvprefetch.Options{})
+	ctx := testwait.Within(t, 30*time.Second)
+	a, b := d.MakeFile(t, "chk/a.bin", 64<<10), d.MakeFile(t, "chk/b.bin", 64<<10)
+	syscall.Sync() // DONTNEED drops clean pages only
+	if _, err := c.Evict(ctx, []string{a, b}, kvprefetch.CheckOptions{Whole: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Prefetch(ctx, []string{a}, kvprefetch.PrefetchOptions{Wait: true}); err != nil {
+		t.Fatal(err)
+	}
+	res, err := c.Check(ctx, []string{a, b, filepath.Join(d.Root, "chk/none")}, kvprefetch.CheckOptions{Details: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Files != 3 || res.States["cold"] < 1 || res.States["missing"] != 1 || len(res.Results) != 3 {
+		t.Fatalf("check: %+v", res)
+	}
+	byPath := map[string]kvprefetch.FileResult{}
+	for _, r := range res.Results {
+		byPath[r.Path] = r
+	}
+	if byPath[b].State != "cold" || byPath[b].Size != 64<<10 || byPath[b].ResidentBytes != 0 {
+		t.Fatalf("b: %+v", byPath[b])
+	}
+	gone, err := c.Evict(ctx, []string{a}, kvprefetch.CheckOptions{Whole: true})
+	if err != nil || gone.EvictedFiles != 1 || gone.ResidentBytes != 0 {
+		t.Fatalf("evict: %+v, %v", gone, err)
+	}
+	if _, err := c.Check(ctx, []string{a}, kvprefetch.CheckOptions{Whole: true}); err == nil {
+		t.Fatal("Check took Whole")
+	}
+}
+
+func TestEvictIsRefusedByDefault(t *testing.T) {
+	d := sharedDaemon(t)
+	c := newClient(t, d.Socket, kvprefetch.Options{})
+	ctx := testwait.Within(t, 30*time.Second)
+	_, err := c.Evict(ctx, []string{d.MakeFile(t, "ev/a.bin", 4096)}, kvprefetch.CheckOptions{})
+	var se *kvprefetch.ServerError
+	if !errors.As(err, &se) || se.Code != kvprefetch.CodeForbidden {
+		t.Fatalf("evict without allow_evict: %v", err)
 	}
 }

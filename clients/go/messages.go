@@ -22,6 +22,18 @@ type PrefetchOptions struct {
 	// counted `expired`. When zero, it is derived from the context's deadline (or
 	// Options.CallTimeout), so the daemon answers with what it has before the caller gives up.
 	Timeout time.Duration
+	// Deadline is when the request stops mattering (the GPU already ran it): a file whose
+	// read has not been issued by then is skipped, settled `expired`, and takes no fetch
+	// slot on a slow tier. When zero, the context's deadline is used if it has one. Sent
+	// as deadline_ms, relative, so the hosts' clocks need not agree (one already past as
+	// deadline_unix_ms: every file expires at once).
+	Deadline time.Time
+	// NoDeadline sends no deadline at all, overriding the context's and the daemon's
+	// default_deadline_ms (deadline_ms: 0).
+	NoDeadline bool
+	// MaxFailures is how many files not warmed a reply lists (PrefetchResult.Failures);
+	// 0 means the daemon's default (100), which its max_failures_listed caps.
+	MaxFailures int
 }
 
 func (o PrefetchOptions) fireAndForget() bool { return !o.Ack && !o.Wait }
@@ -32,6 +44,12 @@ func (o PrefetchOptions) check() error {
 	}
 	if o.Timeout < 0 {
 		return errors.New("kvprefetch: Timeout must not be negative")
+	}
+	if o.MaxFailures < 0 {
+		return errors.New("kvprefetch: MaxFailures must not be negative")
+	}
+	if o.NoDeadline && !o.Deadline.IsZero() {
+		return errors.New("kvprefetch: Deadline and NoDeadline are exclusive")
 	}
 	if o.Timeout > 0 && !o.Wait {
 		// The protocol gives timeout_ms meaning only with wait; sending it alone would be
@@ -59,6 +77,30 @@ func (o PrefetchOptions) timeoutMS(ctx context.Context) *int64 {
 		ms = 0
 	}
 	return &ms
+}
+
+// deadline is what to send for the request's deadline: deadline_ms (ms >= 0: 0 for
+// NoDeadline, else the time left before Deadline or the context's deadline, rounded up),
+// or, for a deadline already past, which no relative figure can say, deadline_unix_ms
+// (unixMS > 0). Neither when there is no deadline.
+func (o PrefetchOptions) deadline(ctx context.Context) (ms *int64, unixMS int64) {
+	var zero int64
+	if o.NoDeadline {
+		return &zero, 0
+	}
+	deadline := o.Deadline
+	if deadline.IsZero() {
+		var ok bool
+		if deadline, ok = ctx.Deadline(); !ok {
+			return nil, 0
+		}
+	}
+	left := time.Until(deadline)
+	if left <= 0 {
+		return nil, deadline.UnixMilli()
+	}
+	rounded := int64((left + time.Millisecond - 1) / time.Millisecond)
+	return &rounded, 0
 }
 
 // KVRequest names how to hash and where the files live, then the prompts
@@ -148,6 +190,57 @@ type PrefetchResult struct {
 	Outcomes map[string]int
 	Elapsed  time.Duration // Wait only
 	Files    int           // PrefetchBlocks only: the paths the request mapped to
+	// Failures lists files that were not warmed, and why: an Ack those turned away at
+	// once (rejected, dropped), a Wait every one, at most MaxFailures; FailuresTruncated
+	// counts the rest. A daemon before 0.3 sends neither.
+	Failures          []Failure
+	FailuresTruncated int
+	// Room (Ack only) is how many more files the daemon's queues take now; -1 when the
+	// reply did not say. A bulk sender keeps its batches within it.
+	Room int
+}
+
+// Failure is a file that was not warmed (docs/protocol.md, "Failures").
+type Failure struct {
+	Path    string // the caller's spelling, or the canonical path under its root
+	Outcome string // missing, rejected, failed, expired or dropped
+	Reason  string // e.g. ENOENT, outside_roots, symlink_escape, deadline, dropped_queue_full
+}
+
+// CheckOptions say how Check and Evict look at files.
+type CheckOptions struct {
+	// ReadBytes is the head the residency rule judges (and Evict drops); 0 means the
+	// daemon's read_bytes.
+	ReadBytes int64
+	// Details asks for each file's figures (CheckResult.Results).
+	Details bool
+	// Timeout bounds the daemon's side (timeout_ms); files not looked at by then are
+	// counted `expired`.
+	Timeout time.Duration
+	// Whole (Evict only) drops whole files, not only their heads.
+	Whole bool
+}
+
+// CheckResult is what Check found, or what Evict left (docs/protocol.md, "Check states").
+type CheckResult struct {
+	Files         int
+	ResidentFiles int   // head resident by the root's rule
+	SizeBytes     int64 // of every file looked at
+	ResidentBytes int64 // page-cache bytes of the whole files
+	States        map[string]int
+	Elapsed       time.Duration
+	EvictedFiles  int          // Evict only
+	Results       []FileResult // with Details
+}
+
+// FileResult is one file of a Check or Evict with Details.
+type FileResult struct {
+	Path          string
+	State         string // resident, cold, missing, rejected, failed, dropped
+	Size          int64
+	ResidentBytes int64
+	TierBytes     int64  // allocated on the near tier (st_blocks x 512)
+	Reason        string // why a file could not be looked at
 }
 
 // Resolution is what a KV request maps to, without any I/O.

@@ -28,6 +28,8 @@ const (
 	opPing           = "ping"
 	opPrefetch       = "prefetch"
 	opPrefetchBlocks = "prefetch_blocks"
+	opCheck          = "check"
+	opEvict          = "evict"
 	opResolve        = "resolve"
 	opStats          = "stats"
 )

@@ -60,7 +60,7 @@ func TestPrefetchFrameFields(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			buf, err := encodePrefetch(7, []string{"/a", "/b"}, tc.opts, tc.timeout, DefaultMaxFrameBytes)
+			buf, err := encodePrefetch(7, []string{"/a", "/b"}, tc.opts, tc.timeout, wireDeadline{}, DefaultMaxFrameBytes)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -104,7 +104,7 @@ func toInt(v any) int64 {
 }
 
 func TestNonUTF8PathIsEncodedAsBin(t *testing.T) {
-	buf, err := encodePrefetch(1, []string{"/kv/caf\xe9", "/kv/café"}, PrefetchOptions{}, nil, DefaultMaxFrameBytes)
+	buf, err := encodePrefetch(1, []string{"/kv/caf\xe9", "/kv/café"}, PrefetchOptions{}, nil, wireDeadline{}, DefaultMaxFrameBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +163,7 @@ func TestKVRequestLaysItsFieldsAtTheTopLevel(t *testing.T) {
 }
 
 func TestOversizeRequestsAreRefusedLocally(t *testing.T) {
-	_, err := encodePrefetch(1, []string{strings.Repeat("/p", 100)}, PrefetchOptions{}, nil, 64)
+	_, err := encodePrefetch(1, []string{strings.Repeat("/p", 100)}, PrefetchOptions{}, nil, wireDeadline{}, 64)
 	if !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("want ErrTooLarge, got %v", err)
 	}
@@ -290,7 +290,7 @@ func BenchmarkEncodePrefetch1000(b *testing.B) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		buf, err := encodePrefetch(uint64(i), paths, PrefetchOptions{}, nil, DefaultMaxFrameBytes)
+		buf, err := encodePrefetch(uint64(i), paths, PrefetchOptions{}, nil, wireDeadline{}, DefaultMaxFrameBytes)
 		if err != nil {
 			b.Fatal(err)
 		}

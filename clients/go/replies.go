@@ -30,11 +30,37 @@ type reply struct {
 	ElapsedUS *int64         `msgpack:"elapsed_us"`
 	Files     *int           `msgpack:"files"`
 
+	Failures          []failure `msgpack:"failures"`
+	FailuresTruncated *int      `msgpack:"failures_truncated"`
+	Room              *int      `msgpack:"room"`
+
+	ResidentFiles *int           `msgpack:"resident_files"`
+	SizeBytes     *int64         `msgpack:"size_bytes"`
+	ResidentBytes *int64         `msgpack:"resident_bytes"`
+	States        map[string]int `msgpack:"states"`
+	EvictedFiles  *int           `msgpack:"evicted_files"`
+	Results       []fileResult   `msgpack:"results"`
+
 	BlockHashes [][]string `msgpack:"block_hashes"`
 	Paths       []string   `msgpack:"paths"` // a bin path arrives as its bytes
 	Fingerprint *string    `msgpack:"fingerprint"`
 
 	Stats msgpack.RawMessage `msgpack:"stats"` // decoded only when asked for
+}
+
+type failure struct {
+	Path    string `msgpack:"path"` // a bin path arrives as its bytes
+	Outcome string `msgpack:"outcome"`
+	Reason  string `msgpack:"reason"`
+}
+
+type fileResult struct {
+	Path          string `msgpack:"path"`
+	State         string `msgpack:"state"`
+	Size          int64  `msgpack:"size"`
+	ResidentBytes int64  `msgpack:"resident_bytes"`
+	TierBytes     int64  `msgpack:"tier_bytes"`
+	Reason        string `msgpack:"reason"`
 }
 
 type replyError struct {
@@ -119,6 +145,42 @@ func (r *reply) prefetch() (PrefetchResult, error) {
 	}
 	if r.Files != nil {
 		res.Files = *r.Files
+	}
+	if len(r.Failures) > 0 {
+		res.Failures = make([]Failure, len(r.Failures))
+		for i, f := range r.Failures {
+			res.Failures[i] = Failure(f)
+		}
+	}
+	if r.FailuresTruncated != nil {
+		res.FailuresTruncated = *r.FailuresTruncated
+	}
+	res.Room = -1
+	if r.Room != nil {
+		res.Room = *r.Room
+	}
+	return res, nil
+}
+
+func (r *reply) checkResult() (CheckResult, error) {
+	if err := required(field{"files", r.Files != nil}, field{"resident_files", r.ResidentFiles != nil},
+		field{"size_bytes", r.SizeBytes != nil}, field{"resident_bytes", r.ResidentBytes != nil},
+		field{"states", r.States != nil}, field{"elapsed_us", r.ElapsedUS != nil}); err != nil {
+		return CheckResult{}, err
+	}
+	res := CheckResult{
+		Files: *r.Files, ResidentFiles: *r.ResidentFiles, SizeBytes: *r.SizeBytes,
+		ResidentBytes: *r.ResidentBytes, States: r.States,
+		Elapsed: time.Duration(*r.ElapsedUS) * time.Microsecond,
+	}
+	if r.EvictedFiles != nil {
+		res.EvictedFiles = *r.EvictedFiles
+	}
+	if r.Results != nil {
+		res.Results = make([]FileResult, len(r.Results))
+		for i, f := range r.Results {
+			res.Results[i] = FileResult(f)
+		}
 	}
 	return res, nil
 }

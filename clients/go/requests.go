@@ -2,13 +2,14 @@ package kvprefetch
 
 import (
 	"bytes"
+	"context"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
 
 // encodePrefetch builds a prefetch frame by hand: this is the call a router makes per
 // request, so it avoids reflection (see mapWriter).
-func encodePrefetch(id uint64, paths []string, o PrefetchOptions, timeoutMS *int64, maxFrame int) (*bytes.Buffer, error) {
+func encodePrefetch(id uint64, paths []string, o PrefetchOptions, timeoutMS *int64, d wireDeadline, maxFrame int) (*bytes.Buffer, error) {
 	buf := newFrame()
 	// One allocation of the right size when the pool is empty (it is emptied at every
 	// GC), instead of doubling a fresh buffer a dozen times: each path costs its bytes
@@ -30,6 +31,12 @@ func encodePrefetch(id uint64, paths []string, o PrefetchOptions, timeoutMS *int
 		if timeoutMS != nil {
 			fields++
 		}
+		if d.ms != nil || d.unixMS > 0 {
+			fields++
+		}
+		if o.MaxFailures > 0 {
+			fields++
+		}
 		w.mapLen(fields)
 		w.envelope(id, opPrefetch)
 		w.str("paths")
@@ -49,9 +56,31 @@ func encodePrefetch(id uint64, paths []string, o PrefetchOptions, timeoutMS *int
 			w.str("timeout_ms")
 			w.uint(uint64(*timeoutMS))
 		}
+		if d.ms != nil {
+			w.str("deadline_ms")
+			w.uint(uint64(*d.ms))
+		} else if d.unixMS > 0 {
+			w.str("deadline_unix_ms")
+			w.uint(uint64(d.unixMS))
+		}
+		if o.MaxFailures > 0 {
+			w.str("max_failures")
+			w.uint(uint64(o.MaxFailures))
+		}
 		return w.err
 	})
 	return finishFrame(buf, err, maxFrame)
+}
+
+// wireDeadline is a request's deadline as PrefetchOptions.deadline says to send it.
+type wireDeadline struct {
+	ms     *int64
+	unixMS int64
+}
+
+func deadlineOf(o PrefetchOptions, ctx context.Context) wireDeadline {
+	ms, unixMS := o.deadline(ctx)
+	return wireDeadline{ms, unixMS}
 }
 
 // plainRequest is a request with no fields beyond the envelope (ping, stats).
@@ -64,13 +93,42 @@ type plainRequest struct {
 // kvRequest is resolve and prefetch_blocks: the envelope, the KV request's fields at the
 // top level (as the protocol lays them out), and the warm options.
 type kvRequest struct {
-	V         int    `msgpack:"v"`
-	ID        uint64 `msgpack:"id"`
-	Op        string `msgpack:"op"`
-	KVRequest `msgpack:",inline"`
-	Wait      bool   `msgpack:"wait,omitempty"`
-	ReadBytes int64  `msgpack:"read_bytes,omitempty"`
-	TimeoutMS *int64 `msgpack:"timeout_ms,omitempty"`
+	V              int    `msgpack:"v"`
+	ID             uint64 `msgpack:"id"`
+	Op             string `msgpack:"op"`
+	KVRequest      `msgpack:",inline"`
+	Wait           bool   `msgpack:"wait,omitempty"`
+	ReadBytes      int64  `msgpack:"read_bytes,omitempty"`
+	TimeoutMS      *int64 `msgpack:"timeout_ms,omitempty"`
+	DeadlineMS     *int64 `msgpack:"deadline_ms,omitempty"`
+	DeadlineUnixMS int64  `msgpack:"deadline_unix_ms,omitempty"`
+	MaxFailures    int    `msgpack:"max_failures,omitempty"`
+}
+
+// inspectRequest is check and evict.
+type inspectRequest struct {
+	V         int       `msgpack:"v"`
+	ID        uint64    `msgpack:"id"`
+	Op        string    `msgpack:"op"`
+	Paths     wirePaths `msgpack:"paths"`
+	ReadBytes int64     `msgpack:"read_bytes,omitempty"`
+	Details   bool      `msgpack:"details,omitempty"`
+	TimeoutMS *int64    `msgpack:"timeout_ms,omitempty"`
+	Whole     bool      `msgpack:"whole,omitempty"`
+}
+
+// wirePaths encodes paths as the protocol wants them: str, or bin for a name that is not
+// UTF-8 (mapWriter.path).
+type wirePaths []string
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (p wirePaths) EncodeMsgpack(enc *msgpack.Encoder) error {
+	w := mapWriter{enc: enc}
+	w.arrayLen(len(p))
+	for _, path := range p {
+		w.path(path)
+	}
+	return w.err
 }
 
 func encodeValue(v any, maxFrame int) (*bytes.Buffer, error) {

@@ -66,6 +66,12 @@ type DaemonConfig struct {
 	// Model, when set, names a profile in the daemon's config to use instead of sending
 	// the hash and layout below with every request.
 	Model string `json:"model"`
+	// Deadline, e.g. "2s", is how long after PreRequest a file is still worth warming
+	// when the request's context has no deadline of its own (which wins when it has):
+	// past it the GPU has read the file itself, so the daemon skips files still queued
+	// behind a slow tier (`expired`) and they take no fetch slot. Empty: the context's
+	// deadline only.
+	Deadline string `json:"deadline"`
 }
 
 // The seed's defaults (spec §6.1): applied only to objects that are present.
@@ -108,6 +114,7 @@ type Plugin struct {
 	kv       *kvprefetch.Client
 	template kvprefetch.KVRequest // hash and layout (or model); prompts filled per request
 	opts     kvprefetch.PrefetchOptions
+	deadline time.Duration // DaemonConfig.Deadline; 0: the context's only
 }
 
 // NewPlugin maps the seed's configuration onto the client (README.md, "Example"). It
@@ -144,6 +151,14 @@ func NewPlugin(cfg Config) (*Plugin, error) {
 		}
 		opts.FireAndForgetTimeout = d
 	}
+	var deadline time.Duration
+	if s := cfg.KVPrefetchd.Deadline; s != "" {
+		d, err := time.ParseDuration(s)
+		if err != nil || d <= 0 {
+			return nil, fmt.Errorf("kvprefetchd.deadline: %q is not a positive duration", s)
+		}
+		deadline = d
+	}
 	// maxConcurrentFiles and workQueueSize have no client counterpart: the reads and
 	// their queue are the daemon's (workers, pread_threads, queue_limit), and a full queue
 	// drops and counts there, as the seed's full channel skipped.
@@ -156,6 +171,7 @@ func NewPlugin(cfg Config) (*Plugin, error) {
 		kv:       kv,
 		template: template,
 		opts:     kvprefetch.PrefetchOptions{ReadBytes: int64(p.BlockSize) * int64(p.BlockCount)},
+		deadline: deadline,
 	}, nil
 }
 
@@ -184,11 +200,13 @@ func layoutFromSeed(b *KVFilePathBase, blockSizeTokens int) *kvprefetch.Layout {
 // PreRequest is the hook the router calls after its routing decision: build the request,
 // send it, never wait. An error means the request was dropped (daemon down, every slot
 // busy); it is counted in Counters and there is nothing to do about it in the request path.
+// The request context's deadline (else kvprefetchd.deadline from now) travels with it:
+// files the daemon has not started by then are skipped.
 func (p *Plugin) PreRequest(ctx context.Context, prompts [][]uint32) error {
 	if p == nil {
 		return nil // prefetching is off
 	}
-	req := kvprefetch.BlocksRequest{KVRequest: p.template, PrefetchOptions: p.opts}
+	req := kvprefetch.BlocksRequest{KVRequest: p.template, PrefetchOptions: p.options(ctx)}
 	req.Prompts = make([]kvprefetch.Prompt, len(prompts))
 	for i, tokens := range prompts {
 		req.Prompts[i] = kvprefetch.Prompt{TokenIDs: tokens}
@@ -197,13 +215,23 @@ func (p *Plugin) PreRequest(ctx context.Context, prompts [][]uint32) error {
 	return err
 }
 
+// options are the request's: the configured ones, with the default deadline when ctx has
+// none (the client sends ctx's own).
+func (p *Plugin) options(ctx context.Context) kvprefetch.PrefetchOptions {
+	opts := p.opts
+	if _, ok := ctx.Deadline(); !ok && p.deadline > 0 {
+		opts.Deadline = time.Now().Add(p.deadline)
+	}
+	return opts
+}
+
 // PreRequestDigests is PreRequest for a router that already has the producer's 32-byte
 // sha256_cbor digests, one chain per prompt: the daemon skips the hashing.
 func (p *Plugin) PreRequestDigests(ctx context.Context, digests [][][]byte) error {
 	if p == nil {
 		return nil
 	}
-	req := kvprefetch.BlocksRequest{KVRequest: p.template, PrefetchOptions: p.opts}
+	req := kvprefetch.BlocksRequest{KVRequest: p.template, PrefetchOptions: p.options(ctx)}
 	req.BlockHashes = digests
 	_, err := p.kv.PrefetchBlocks(ctx, req)
 	return err

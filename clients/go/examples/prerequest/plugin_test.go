@@ -195,6 +195,20 @@ func TestPreRequestIsFireAndForget(t *testing.T) {
 		t.Fatalf("counters: %+v", c)
 	}
 
+	// A request whose deadline passed before the daemon could start it: nothing is read.
+	late, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer cancel()
+	if got := p.options(late); !got.Deadline.IsZero() {
+		t.Fatalf("the context's deadline should win: %+v", got)
+	}
+	if got := p.options(context.Background()); !got.Deadline.IsZero() {
+		t.Fatalf("no deadline configured, none invented: %+v", got)
+	}
+	p.deadline = 2 * time.Second
+	if got := p.options(context.Background()); time.Until(got.Deadline) <= time.Second {
+		t.Fatalf("the configured deadline: %+v", got)
+	}
+
 	off, err := NewPlugin(Config{PrefetchConfig: &PrefetchConfig{Enabled: false}})
 	if off != nil || err != nil {
 		t.Fatalf("a disabled plugin: %v, %v", off, err)
