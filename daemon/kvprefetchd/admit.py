@@ -31,7 +31,7 @@ class Admission:
     dropped: int = 0
     refused: list[tuple[object, str]] = field(default_factory=list)  # (path, reason)
     dropped_paths: list[object] = field(default_factory=list)  # as given, for `failures`
-    room: int = 0  # files the workers may still take after these
+    room: int = 0  # files an evenly sharded request may hold after these without a drop
 
     @property
     def accepted(self) -> int:
@@ -63,5 +63,7 @@ def admit(paths: list[Any], roots: Roots, room: list[int]) -> Admission:
             continue
         left[index] -= 1
         entries[index].append([0, root_index, relative])
+    # Room as a sender can use it: paths shard evenly, so the fullest worker's room, times
+    # the workers, is what the next request may hold without a drop.
     return Admission(entries, len(dropped_paths), refused, dropped_paths,
-                     sum(n for n in left if n > 0))
+                     max(min(left), 0) * workers if workers else 0)
