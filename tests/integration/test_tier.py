@@ -191,4 +191,5 @@ def test_a_hung_part_of_the_tier_holds_neither_the_worker_nor_the_other_files(
             daemon.stop()
     assert served["outcomes"]["read"] == 200 and still_held >= 20
     assert late["outcomes"]["failed"] == 20, late  # settled at file_timeout, not never
+    assert {(f["outcome"], f["reason"]) for f in late["failures"]} == {("failed", "ETIMEDOUT")}
     assert stats["workers_killed_wedged"] == 0 and stats["worker_restarts"] == 0

@@ -9,6 +9,7 @@ two days back, which relatime refreshes on any read.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,53 @@ def test_a_wait_reply_names_every_file_not_warmed_and_why(tmp_path: Path, kv: Pa
     assert reply["failures_truncated"] == 0
     assert len(truncated["failures"]) == 1 and truncated["failures_truncated"] == 4
     assert truncated["outcomes"]["missing"] == 5
+
+
+def test_every_gate_names_its_reason(tmp_path: Path, kv: Path) -> None:
+    """The supervisor's lexical gate and the worker's kernel gate, one reason each."""
+    os.symlink("loop_b", kv / "loop_a")
+    os.symlink("loop_a", kv / "loop_b")
+    long_name = str(kv / ("x" * 300))  # a component over NAME_MAX
+    too_long = str(kv / ("d/" * 300))
+    daemon = start(tmp_path, kv, max_path_bytes=512)
+    try:
+        reply = ok(daemon, "prefetch", wait=True, paths=[
+            f"{kv}/a\0b", too_long, 7, f"{kv}/", str(kv / "loop_a"), long_name])
+    finally:
+        daemon.stop()
+    reasons = {(str(f["path"]), f["outcome"], f["reason"]) for f in reply["failures"]}
+    assert reasons == {
+        (f"{kv}/a\0b", "rejected", "nul_byte"),
+        (too_long, "rejected", "too_long"),
+        ("7", "rejected", "not_a_path"),
+        (f"{kv}/", "rejected", "not_a_file"),
+        (str(kv / "loop_a"), "rejected", "symlink_loop"),
+        (long_name, "rejected", "bad_name"),
+    }, reply
+
+
+def test_a_worker_that_dies_names_its_files_lost(tmp_path: Path,
+                                                tier_files: tuple[Path, Path]) -> None:
+    backing, mountpoint = tier_files
+    names = make_files(backing, 6, 64 * KiB, folder="held")
+    with mount(backing, mountpoint, latency_ms=1) as tier:
+        daemon = daemon_on(tmp_path, mountpoint, workers=1,
+                           residency_by_root={str(mountpoint): "off"})
+        try:
+            tier.evict_all()
+            with tier.hang("read", "/held/"), RawConnection(daemon.socket_path, 60) as waiting:
+                waiting.send({"v": 1, "id": 1, "op": "prefetch", "wait": True,
+                              "paths": [str(mountpoint / name) for name in names]})
+                tier.wait_held(len(names))
+                os.kill(daemon.worker_pids()[0], signal.SIGKILL)
+                reply = waiting.recv()
+        finally:
+            daemon.stop()
+    assert reply["outcomes"]["failed"] == 6
+    assert {(f["outcome"], f["reason"]) for f in reply["failures"]} == {("failed",
+                                                                          "worker_lost")}
+    assert sorted(f["path"] for f in reply["failures"]) == sorted(
+        str(mountpoint / name) for name in names)
 
 
 def test_an_ack_lists_what_was_turned_away_and_the_room_left(tmp_path: Path, kv: Path) -> None:
