@@ -26,6 +26,9 @@ def summarize(methods: list[str], runs: dict[str, list[dict[str, Any]]], files: 
               head: int, skipped: dict[str, str]) -> dict[str, Any]:
     asked = files * head
     warm_of = {m: [r["warm_s"] for r in runs[m]] for m in methods}
+    # A reference left out of the scenario (or skipped) gives no ratio.
+    has_fio = "fio" in warm_of and "fio" not in skipped
+    has_vmtouch = "vmtouch" in warm_of and "vmtouch" not in skipped
     total_of = {m: [r["total_s"] for r in runs[m]] for m in methods}
     fio_runtime = [r["detail"].get("fio_runtime_s") for r in runs.get("fio", [])]
     out: dict[str, Any] = {}
@@ -49,20 +52,20 @@ def summarize(methods: list[str], runs: dict[str, list[dict[str, Any]]], files: 
             "reps_s": warm_s,
             "gb_s": asked / 1e9 / med if med else None,
             "files_s": files / med if med else None,
-            "ratio_to_fio": None if method == BASELINE or "fio" in skipped
+            "ratio_to_fio": None if method == BASELINE or not has_fio
             else paired_ratio(warm_s, warm_of["fio"]),
-            "ratio_to_vmtouch": None if method == BASELINE or "vmtouch" in skipped
+            "ratio_to_vmtouch": None if method == BASELINE or not has_vmtouch
             else paired_ratio(warm_s, warm_of["vmtouch"]),
             # fio's own job_runtime leaves out its start-up (parsing, setting up every file)
-            "ratio_to_fio_runtime": None if method == BASELINE or "fio" in skipped
+            "ratio_to_fio_runtime": None if method == BASELINE or not has_fio
             else paired_ratio(warm_s, fio_runtime),
             "consumer": {"median_s": median(consumer), "reps_s": consumer},
             "total": {
                 "median_s": median(total_of[method]),
                 "reps_s": total_of[method],
-                "ratio_to_fio": None if "fio" in skipped
+                "ratio_to_fio": None if not has_fio
                 else paired_ratio(total_of[method], total_of["fio"]),
-                "ratio_to_vmtouch": None if "vmtouch" in skipped
+                "ratio_to_vmtouch": None if not has_vmtouch
                 else paired_ratio(total_of[method], total_of["vmtouch"]),
                 "ratio_to_none": paired_ratio(total_of[method], total_of[BASELINE])
                 if BASELINE in runs and BASELINE not in skipped else None,

@@ -75,6 +75,7 @@ class Inspection:
     [where, state, size, cached, tier, reason] (where as in Waiter.failures)."""
 
     details: bool
+    evict: bool = False  # the reply counts evicted files
     states: Counter[str] = field(default_factory=Counter)
     size_bytes: int = 0
     resident_bytes: int = 0

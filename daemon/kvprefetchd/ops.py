@@ -219,9 +219,7 @@ class Ops:
         now = time.monotonic()
         deadline = now + options.timeout_ms / 1000.0 if options.timeout_ms is not None else None
         waiter = Waiter(request.request_id, now, deadline, reply_to=connection,
-                        inspection=Inspection(options.details))
-        if mode != CHECK:
-            waiter.reply_fields["evict"] = True
+                        inspection=Inspection(options.details, evict=mode != CHECK))
         admission = admit(paths, self.roots, self.pool.room())
         self.books.count_refused(waiter, dropped=admission.dropped_paths,
                                  rejected=admission.refused)
@@ -350,7 +348,7 @@ class Ops:
             states=states,
             elapsed_us=int(elapsed * 1e6),
         )
-        if waiter.reply_fields.get("evict"):
+        if inspection.evict:
             reply["evicted_files"] = states["resident"] + states["cold"]
         if inspection.details:
             results = []

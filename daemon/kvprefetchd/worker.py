@@ -142,7 +142,7 @@ class Worker:
         self.latency = Histogram(FILE_BUCKETS)  # per file, since the last report
         self.counters = {
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0,
-            "checked": 0, "evicted": 0, "expired": 0, "noatime_fallbacks": 0,
+            "checked": 0, "evicted": 0, "noatime_fallbacks": 0,
         }
         self.native = load_native()
         self.noatime_fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
@@ -205,7 +205,6 @@ class Worker:
                 self.latency.observe(0.0)
                 continue
             if expired:
-                self.counters["expired"] += 1
                 self.outcome(ticket, "expired", 0)
                 continue
             if not self.in_flight.join(key, read_bytes, ticket):
@@ -295,8 +294,6 @@ class Worker:
             self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
         self.latency.observe(time.monotonic() - item.received)
-        if completion.outcome == "expired":
-            self.counters["expired"] += 1
         tickets = self.in_flight.settle(item.key, item.read_bytes)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
