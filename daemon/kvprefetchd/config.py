@@ -117,6 +117,18 @@ class Config:
     # a deadline of its own gets this one (0: none); `failures` lists at most this many
     # files per reply; reads keep atime (O_NOATIME where the kernel permits it).
     allow_evict: bool = False
+    # A TCP listener beside the Unix socket (off: ""), for routers on other hosts: mutual
+    # TLS with client certificates from tls_client_ca_file whose identity (SAN DNS or URI
+    # name, or CN) is in tls_allowed_clients (tcp.py). Plaintext only on loopback, only
+    # when tcp_plaintext_loopback says so (tests).
+    listen_tcp: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    tls_allowed_clients: tuple[str, ...] = ()
+    tcp_plaintext_loopback: bool = False
+    max_connections_per_address: int = 64
+    tls_handshake_timeout: float = 5.0
     default_deadline_ms: int = 0
     max_failures_listed: int = 4096
     preserve_atime: bool = False
@@ -161,6 +173,7 @@ _INT_KEYS = {
     "dedup_ttl_ms": (0, 3_600_000),
     "default_deadline_ms": (0, 86_400_000),
     "max_failures_listed": (0, 1_000_000),
+    "max_connections_per_address": (1, 65536),
     "dedup_entries": (0, 10_000_000),
     "dedup_bytes": (0, 1 << 30),
     "max_frame_bytes": (64, 1 << 30),
@@ -190,6 +203,7 @@ _SECONDS_KEYS = {
     "fs_timeout": (0.1, 3600.0),
     "idle_timeout": (1.0, 86400.0),
     "frame_timeout": (1.0, 3600.0),
+    "tls_handshake_timeout": (0.1, 600.0),
 }
 _CHOICE_KEYS = {
     "engine": ENGINES,
@@ -243,8 +257,18 @@ def _check(key: str, value: Any) -> Any:
                 raise ConfigError(f"residency_by_root.{root}: {rule!r} is not a residency rule")
             rules[os.path.normpath(root)] = rule
         return rules
+    if key in ("listen_tcp", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string")
+        return value
+    if key == "tls_allowed_clients":
+        if isinstance(value, str) or not isinstance(value, list | tuple) or not all(
+            isinstance(v, str) and v for v in value
+        ):
+            raise ConfigError(f"{key}: expected a list of client identities (SAN names or CN)")
+        return tuple(value)
     if key in ("fadv_random", "allow_inline_layouts", "root_path_checks", "allow_evict",
-               "preserve_atime"):
+               "preserve_atime", "tcp_plaintext_loopback"):
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false")
         return value
@@ -305,10 +329,39 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
             "size could never be read whole"
         )
     check_profiles(config, "")
+    check_tcp(config)
     unknown_roots = set(config.residency_by_root) - set(config.roots)
     if unknown_roots:
         raise ConfigError(f"residency_by_root: {sorted(unknown_roots)} not in roots")
     return config
+
+
+def check_tcp(config: Config) -> None:
+    """A TCP listener has an address, and TLS files unless it is plaintext on loopback."""
+    if not config.listen_tcp:
+        return
+    try:
+        host, _ = split_host_port(config.listen_tcp)
+    except ValueError as error:
+        raise ConfigError(f"listen_tcp: {error}") from None
+    if config.tcp_plaintext_loopback:
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            raise ConfigError("tcp_plaintext_loopback: plaintext TCP is refused except on "
+                              f"loopback, and listen_tcp is {config.listen_tcp}")
+        return
+    missing = [key for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+               if not getattr(config, key)]
+    if missing:
+        raise ConfigError(f"listen_tcp: mutual TLS needs {', '.join(missing)} "
+                          "(plaintext TCP is refused)")
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """HOST:PORT or [IPV6]:PORT."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def check_profiles(config: Config, note: str) -> None:
@@ -340,6 +393,7 @@ RESTART_KEYS = frozenset({
     "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "root_path_checks",
     "dedup_ttl_ms",
     "dedup_entries", "dedup_bytes", "worker_nice", "metrics", "model_warm_modes",
+    "listen_tcp", "tcp_plaintext_loopback",
 })
 
 

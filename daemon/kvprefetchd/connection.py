@@ -21,6 +21,7 @@ import contextlib
 import errno
 import selectors
 import socket
+import ssl
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -133,6 +134,9 @@ class Connection:
         self.seen_activity = 0
         self.quiet_since = time.monotonic()
         self.partial_since: float | None = None  # when its unfinished frame began
+        # A TCP connection (tcp.py): the peer's address, and its certificate's names.
+        self.address: str | None = None
+        self.identities: frozenset[str] = frozenset()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -168,7 +172,8 @@ class Connection:
         while self.output and not (self.closed or self.broken):
             try:
                 sent = self.sock.send(self.output)
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,
+                    ssl.SSLWantReadError):
                 return
             except OSError as error:
                 if error.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
@@ -198,7 +203,8 @@ class Connection:
         """One recv of at most `room()` bytes into the frame reader; EOF marks it broken."""
         try:
             data = self.sock.recv(min(RECV_BYTES, self.room()))
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
+                ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -244,6 +250,10 @@ class Connection:
             self.quiet_since = now
             return None
         return self.quiet_since
+
+    def tls_pending(self) -> bool:
+        """Bytes TLS decrypted already but we have not read: no poll will say so."""
+        return isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
 
     def close(self) -> None:
         if not self.closed:

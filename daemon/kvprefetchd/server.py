@@ -33,6 +33,7 @@ from kvprefetchd.config import Config
 from kvprefetchd.connection import Connection, InputPool
 from kvprefetchd.peers import PRIVILEGED_RESERVE, Peer, PeerPolicy, Seats, peer_of
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, TOO_LARGE, encode_frame, error_reply
+from kvprefetchd.tcp import TcpListener
 
 log = logging.getLogger("kvprefetchd.server")
 
@@ -154,6 +155,7 @@ class Server:
         self.resting_until: float | None = None  # out of fds: not accepting
         self.out_of_fds_since: float | None = None
         self.next_sweep = time.monotonic() + SWEEP_SECONDS
+        self.tcp: TcpListener | None = None  # listen_tcp: routers on other hosts
 
     # ---- the listener ------------------------------------------------------------------------
 
@@ -169,11 +171,16 @@ class Server:
                 info = os.lstat(self.config.socket)
                 self.socket_file = (info.st_dev, info.st_ino)
         self.listener = listener
+        if self.config.listen_tcp and self.tcp is None:
+            self.tcp = TcpListener(self, self.config, self.selector, self.events)
+            self.tcp.listen()
         ensure_fd_room(self.config.max_connections + PRIVILEGED_RESERVE + 256)
 
     def start_accepting(self) -> None:
         assert self.listener is not None
         self.selector.register(self.listener, selectors.EVENT_READ, self.on_listener_event)
+        if self.tcp is not None and not self.tcp.accepting:
+            self.tcp.start_accepting()
 
     def on_listener_event(self, _events: int) -> None:
         assert self.listener is not None
@@ -210,7 +217,11 @@ class Server:
 
     def next_due(self, now: float) -> float | None:
         dues = [] if self.resting_until is None else [self.resting_until - now]
-        if self.connections and (self.config.idle_timeout or self.config.frame_timeout):
+        if self.tcp is not None and self.tcp.resting_until is not None:
+            dues.append(self.tcp.resting_until - now)
+        handshakes = self.tcp is not None and (self.tcp.handshakes or self.tcp.lingering)
+        if ((self.connections and (self.config.idle_timeout or self.config.frame_timeout))
+                or handshakes):
             dues.append(self.next_sweep - now)
         return max(0.0, min(dues)) if dues else None
 
@@ -222,8 +233,14 @@ class Server:
         if now >= self.next_sweep:
             self.next_sweep = now + SWEEP_SECONDS
             self.sweep(now)
+            if self.tcp is not None:
+                self.tcp.sweep(now)
+        if self.tcp is not None:
+            self.tcp.tick(now)
 
     def close_listener(self) -> None:
+        if self.tcp is not None:
+            self.tcp.close()
         if self.listener is None:
             return
         with contextlib.suppress(KeyError, ValueError):
@@ -279,19 +296,24 @@ class Server:
                 continue
             log.warning("reload: uid %d (pid %d) is no longer allowed; its connection is closed",
                         peer.uid, peer.pid)
-            self.events["peers_revoked"] += 1
-            connection.send(error_reply(None, FORBIDDEN, "this user may no longer use "
-                                        "kvprefetchd"))
-            connection.flush()
-            self.drop(connection)
+            self.revoke(connection)
+
+    def revoke(self, connection: Connection) -> None:
+        """One `forbidden` reply (no id), then closed."""
+        self.events["peers_revoked"] += 1
+        connection.send(error_reply(None, FORBIDDEN, "this peer may no longer use kvprefetchd"))
+        connection.flush()
+        self.drop(connection)
 
     # ---- connections -----------------------------------------------------------------------
 
-    def add_connection(self, sock: socket.socket, peer: Peer | None = None) -> Connection:
+    def add_connection(self, sock: socket.socket, peer: Peer | None = None,
+                       address: str | None = None) -> Connection:
         connection = Connection(
             sock, self.config.max_frame_bytes, self.config.max_output_bytes, self.refresh,
             pool=self.input_pool, peer=peer, events=self.events,
         )
+        connection.address = address
         self.connections[sock.fileno()] = connection
         if peer is not None:
             self.seats.take(peer)
@@ -305,6 +327,11 @@ class Server:
         if events & selectors.EVENT_READ and connection.wants_input():
             connection.fill()
         self.serve(connection)
+        # TLS may hold decrypted bytes the socket will never poll readable for again.
+        while (connection.tls_pending() and connection.wants_input()
+               and not (connection.broken or connection.closed)):
+            connection.fill()
+            self.serve(connection)
         self.refresh(connection)
 
     def serve(self, connection: Connection) -> None:
@@ -358,6 +385,8 @@ class Server:
             connection.watched = 0
             if connection.peer is not None:
                 self.seats.give_back(connection.peer)
+            if connection.address is not None and self.tcp is not None:
+                self.tcp.release(connection.address)
         connection.close()
         for woken in self.input_pool.give_back(connection):
             self.refresh(woken)
@@ -391,6 +420,8 @@ class Server:
         for connection in self.connections.values():
             connection.set_limits(config.max_frame_bytes, config.max_output_bytes)
         self.revoke_peers()
+        if self.tcp is not None:
+            self.tcp.apply(config)
         for woken in self.input_pool.serve():
             self.refresh(woken)
 

@@ -60,15 +60,18 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self.spare = cast(socket.socket, transport.get_extra_info("socket")).dup()
-        self.spare.setblocking(False)
+        self.spare: socket.socket | None = None
+        if transport.get_extra_info("sslcontext") is None:  # TLS bytes say nothing read raw
+            self.spare = cast(socket.socket, transport.get_extra_info("socket")).dup()
+            self.spare.setblocking(False)
 
     def data_received(self, data: bytes) -> None:
         self.take(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.read_left()
-        self.spare.close()
+        if self.spare is not None:
+            self.spare.close()
         path = self.socket_path
         self.retire(
             ConnectionClosed(f"connection to {path} lost: {exc}")
@@ -109,6 +112,8 @@ class _Connection(asyncio.Protocol):
     def read_left(self) -> None:
         """Take what the daemon sent that the transport did not read: the kernel hands it
         over before it reports the close."""
+        if self.spare is None:
+            return
         try:
             while data := self.spare.recv(READ_CHUNK_BYTES):
                 self.take(data)
@@ -188,13 +193,21 @@ class AsyncClient(Operations):
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        endpoint = self.endpoint
+
+        def made() -> _Connection:
+            return _Connection(self.socket_path, self.max_frame)
+
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_unix_connection(
-                    lambda: _Connection(self.socket_path, self.max_frame), self.socket_path
-                ),
-                self.timeout,
-            )
+            if endpoint.kind == "unix":
+                opening = loop.create_unix_connection(made, endpoint.path)
+            else:
+                opening = loop.create_connection(
+                    made, endpoint.host, endpoint.port,
+                    ssl=self.ssl_context if endpoint.kind == "tls" else None,
+                    server_hostname=endpoint.host if endpoint.kind == "tls" else None,
+                )
+            _, conn = await asyncio.wait_for(opening, self.timeout)
         except OSError as exc:  # TimeoutError included
             cause = OSError("connect timed out") if isinstance(exc, TimeoutError) else exc
             raise ConnectFailed(self.socket_path, cause) from exc

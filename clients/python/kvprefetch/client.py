@@ -1,4 +1,5 @@
-"""Blocking client: one Unix-socket connection to kvprefetchd, used from one thread.
+"""Blocking client: one connection to kvprefetchd (its Unix socket, or its TCP listener
+over mutual TLS), used from one thread.
 
 Requests may be pipelined with send()/recv(); replies are matched by id, and replies read
 while looking for another id are kept until asked for, so out-of-order `wait` replies cost
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,12 +60,27 @@ class Client(Operations):
             self._sock = self._open()
 
     def _open(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
+        endpoint = self.endpoint
         try:
-            sock.connect(self.socket_path)
+            if endpoint.kind == "unix":
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout)
+                try:
+                    sock.connect(endpoint.path)
+                except OSError:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((endpoint.host, endpoint.port), self.timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if endpoint.kind == "tls":
+                    assert self.ssl_context is not None
+                    try:
+                        sock = self.ssl_context.wrap_socket(sock, server_hostname=endpoint.host)
+                    except OSError:
+                        sock.close()
+                        raise
         except OSError as exc:
-            sock.close()
             raise ConnectFailed(self.socket_path, exc) from exc
         # From here on every wait goes through poll(), which can watch for replies while a
         # send is blocked (see _write).
@@ -98,7 +115,8 @@ class Client(Operations):
     @staticmethod
     def _peer_gone(sock: socket.socket) -> bool:
         try:
-            return sock.recv(1, socket.MSG_PEEK) == b""
+            # The raw stream, under TLS too (an SSLSocket takes no flags): EOF is EOF.
+            return socket.socket.recv(sock, 1, socket.MSG_PEEK) == b""
         except BlockingIOError:
             return False
         except OSError:
@@ -133,7 +151,7 @@ class Client(Operations):
             if events & (select.POLLOUT | select.POLLERR | select.POLLHUP):
                 try:
                     view = view[sock.send(view) :]
-                except BlockingIOError:
+                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                     pass
                 except OSError as exc:
                     # The daemon may have answered before it closed (a refusal): the kernel
@@ -148,7 +166,10 @@ class Client(Operations):
         """Read what has arrived and file every complete reply under its request id."""
         try:
             data = sock.recv(READ_CHUNK_BYTES)
-        except BlockingIOError:
+            # TLS may hold more decrypted bytes than one recv took: poll() will not say.
+            while isinstance(sock, ssl.SSLSocket) and data and sock.pending():
+                data += sock.recv(READ_CHUNK_BYTES)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError as exc:
             self._drop()

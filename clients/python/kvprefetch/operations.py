@@ -13,6 +13,7 @@ import functools
 import inspect
 import itertools
 import os
+import ssl
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypeVar, overload
@@ -96,7 +97,10 @@ def _as_is(reply: Reply) -> Reply:
 class Operations:
     """What both clients share: their settings, request ids, and every public call.
 
-    `socket_path` defaults to the daemon's own choice (protocol.default_socket). `timeout`
+    `socket_path` defaults to the daemon's own choice (protocol.default_socket); it may
+    also be `tls://HOST:PORT` (a daemon's TCP listener, mutual TLS: pass `ssl_context`,
+    a client context with its certificate and the CA to trust) or `tcp://HOST:PORT`
+    (plaintext, which a daemon serves on loopback only, for tests). `timeout`
     (seconds, None for none) bounds connecting, sending and each wait for a reply; a `wait`
     request's own `timeout_ms` is added to it. `max_frame` bounds requests and replies.
     """
@@ -107,8 +111,13 @@ class Operations:
         timeout: float | None = 5.0,
         *,
         max_frame: int = MAX_FRAME_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket()
+        self.endpoint = protocol.parse_endpoint(self.socket_path)
+        if self.endpoint.kind == "tls" and ssl_context is None:
+            raise ValueError(f"{self.socket_path}: a tls:// endpoint needs ssl_context")
+        self.ssl_context = ssl_context
         self.timeout = timeout
         self.max_frame = max_frame
         self._ids = itertools.count(1)

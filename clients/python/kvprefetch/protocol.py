@@ -10,6 +10,7 @@ import math
 import os
 import struct
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -51,6 +52,32 @@ __all__ += errors.__all__
 
 PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/run/kvprefetchd/kvprefetchd.sock"  # where the systemd unit puts it
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a daemon listens: a Unix socket path, or a TCP host and port (`tls://HOST:PORT`,
+    mutual TLS; `tcp://HOST:PORT`, plaintext, which a daemon serves on loopback only)."""
+
+    kind: str  # "unix", "tls" or "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+
+def parse_endpoint(address: str) -> Endpoint:
+    """A socket path (optionally `unix://PATH`), `tls://HOST:PORT` or `tcp://HOST:PORT`."""
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        return Endpoint("unix", address)
+    if scheme == "unix":
+        return Endpoint("unix", rest)
+    if scheme in ("tls", "tcp"):
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{address!r}: expected {scheme}://HOST:PORT")
+        return Endpoint(scheme, host=host.strip("[]"), port=int(port))
+    raise ValueError(f"{address!r}: unknown scheme {scheme!r} (unix, tls or tcp)")
 
 
 def default_socket() -> str:
