@@ -23,6 +23,7 @@ from kvprefetchd.engines import NoEngine
 from kvprefetchd.logs import setup_logging
 from kvprefetchd.server import SocketInUse
 from kvprefetchd.supervisor import HaltError, Supervisor
+from kvprefetchd.tcp import TlsSetupError
 
 EXIT_CONFIG = 2
 EXIT_HALTED = 1
@@ -86,6 +87,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help='serve Prometheus metrics on ADDR: "127.0.0.1:9464", "[::1]:9464" or '
              f'"unix:/PATH" (default: ${METRICS_ENV}, else the config, else off)',
     )
+    parser.add_argument(
+        "--listen-tcp", metavar="ADDR:PORT", dest="listen_tcp",
+        help="also listen on TCP, mutual TLS (needs the three --tls-*-file flags)",
+    )
+    parser.add_argument("--tls-cert-file", metavar="PEM", dest="tls_cert_file",
+                        help="the listener's certificate chain")
+    parser.add_argument("--tls-key-file", metavar="PEM", dest="tls_key_file",
+                        help="its private key")
+    parser.add_argument("--tls-client-ca-file", metavar="PEM", dest="tls_client_ca_file",
+                        help="the CA bundle client certificates must chain to")
+    parser.add_argument(
+        "--tls-allowed-client", metavar="ID", action="append", dest="tls_allowed_clients",
+        help="a client identity let in: a SAN DNS or URI name (e.g. a SPIFFE ID), or a CN "
+             "(repeatable; replaces the configured list)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, dest="log_level",
                         help="debug shows every refused path")
     parser.add_argument("--version", action="version", version=f"kvprefetchd {__version__}")
@@ -109,6 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("warm_mode", args.warm_mode),
             ("read_bytes", args.read_bytes),
             ("log_level", args.log_level),
+            ("listen_tcp", args.listen_tcp),
+            ("tls_cert_file", args.tls_cert_file),
+            ("tls_key_file", args.tls_key_file),
+            ("tls_client_ca_file", args.tls_client_ca_file),
+            ("tls_allowed_clients", args.tls_allowed_clients),
             ("metrics", args.metrics if args.metrics is not None else os.environ.get(METRICS_ENV)),
         )
         if value is not None
@@ -125,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = logging.getLogger("kvprefetchd")
     try:
         return Supervisor(config, reload_from=read_config).run()
-    except (HaltError, NoEngine, SocketInUse) as error:
+    except (HaltError, NoEngine, SocketInUse, TlsSetupError) as error:
         log.error("%s", error)
         return EXIT_HALTED
     except OSError as error:

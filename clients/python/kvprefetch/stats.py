@@ -149,7 +149,8 @@ class Stats(TypedDict):
     requests: dict[str, int]
     # Other counted events: reloads, reload_refused, connections_refused, peers_forbidden,
     # peers_revoked, connections_closed_idle, connections_closed_slow, input_waits,
-    # replies_too_large, accept_paused; from the workers: files_checked, files_evicted,
+    # replies_too_large, accept_paused; tls_refused, tls_handshake_timeouts,
+    # tls_reload_refused (the TCP listener); from the workers: files_checked, files_evicted,
     # noatime_fallbacks (reads preserve_atime could not keep from updating atime).
     events: dict[str, int]
     files: FileCounts
