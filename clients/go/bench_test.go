@@ -17,6 +17,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -27,6 +28,7 @@ import (
 	"unsafe"
 
 	kvprefetch "github.com/kvprefetchd/kvprefetchd/clients/go"
+	"github.com/kvprefetchd/kvprefetchd/clients/go/internal/daemontest"
 	"github.com/kvprefetchd/kvprefetchd/clients/go/internal/testwait"
 )
 
@@ -159,4 +161,48 @@ func BenchmarkPrefetchFireAndForget1000(b *testing.B) {
 // from Python).
 func BenchmarkPrefetchAck1000(b *testing.B) {
 	benchCalls(b, kvprefetch.PrefetchOptions{Ack: true})
+}
+
+// BenchmarkFanout1000 is the router's fan-out: one call hands 1,000 paths to two daemons
+// (the gateway's over the Unix socket, a node's over TLS) and returns; the target is
+// well under 1 ms for the caller.
+func BenchmarkFanout1000(b *testing.B) {
+	certs, err := daemontest.NewTLS(b.TempDir())
+	if err != nil {
+		b.Fatal(err)
+	}
+	port, err := daemontest.FreePort()
+	if err != nil {
+		b.Fatal(err)
+	}
+	node := daemontest.Start(b, daemontest.Config{Extra: certs.TCPConfig(port, routerID)})
+	gateway := daemontest.Start(b, daemontest.Config{})
+	cfg, err := certs.Client("router", routerID)
+	if err != nil {
+		b.Fatal(err)
+	}
+	toNode := newClient(b, fmt.Sprintf("tls://127.0.0.1:%d", port), kvprefetch.Options{TLSConfig: cfg})
+	toGateway := newClient(b, gateway.Socket, kvprefetch.Options{})
+	ctx := context.Background()
+	for _, c := range []*kvprefetch.Client{toNode, toGateway} {
+		if _, err := c.Ping(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	paths := make([]string, benchPaths)
+	for i := range paths {
+		paths[i] = fmt.Sprintf("%s/bench/%064x.bin", node.Root, i)
+	}
+	fan := kvprefetch.Fanout{Targets: []kvprefetch.FanoutTarget{{Client: toGateway}, {Client: toNode}}}
+	took := make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		start := time.Now()
+		fan.Prefetch(ctx, paths)
+		took = append(took, time.Since(start))
+		time.Sleep(200 * time.Microsecond) // a router's pace, not a flood
+	}
+	b.StopTimer()
+	report(b, "", took)
+	b.Logf("node %+v; gateway %+v", toNode.Counters(), toGateway.Counters())
 }

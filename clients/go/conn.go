@@ -63,7 +63,7 @@ type result struct {
 // protocol lets the daemon answer out of order (a Wait finishes after a later Ping), so
 // any number of requests may be in flight, bounded by slots.
 type conn struct {
-	nc      *net.UnixConn
+	nc      net.Conn
 	opts    *Options
 	stats   *counters
 	slots   chan struct{} // one token per request in flight (MaxInFlight)
@@ -77,7 +77,7 @@ type conn struct {
 	err     error            // why the connection ended; set once
 }
 
-func newConn(nc *net.UnixConn, opts *Options, stats *counters, wg *sync.WaitGroup) *conn {
+func newConn(nc net.Conn, opts *Options, stats *counters, wg *sync.WaitGroup) *conn {
 	c := &conn{
 		nc:      nc,
 		opts:    opts,
@@ -238,6 +238,14 @@ func (c *conn) write(vecs [][]byte) error {
 	}
 	if err := c.nc.SetWriteDeadline(time.Now().Add(writeStall)); err != nil {
 		return err
+	}
+	if _, plain := c.nc.(*net.UnixConn); !plain && len(vecs) > 1 {
+		// TLS: one record for the batch rather than one per frame.
+		var joined bytes.Buffer
+		for _, v := range vecs {
+			joined.Write(v)
+		}
+		vecs = [][]byte{joined.Bytes()}
 	}
 	bufs := net.Buffers(vecs) // one writev for the whole batch
 	_, err := bufs.WriteTo(c.nc)

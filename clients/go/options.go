@@ -1,7 +1,10 @@
 package kvprefetch
 
 import (
+	"crypto/tls"
 	"errors"
+	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -24,8 +27,15 @@ const (
 
 // Options configure a Client. Zero values take the defaults above.
 type Options struct {
-	// SocketPath is the daemon's Unix socket; empty means DefaultSocket().
+	// SocketPath is where the daemon listens: its Unix socket (a path, or unix://PATH;
+	// empty means DefaultSocket()), or tls://HOST:PORT, its TCP listener with mutual TLS
+	// (TLSConfig required), or tcp://HOST:PORT (plaintext, which a daemon serves on
+	// loopback only, for tests).
 	SocketPath string
+	// TLSConfig is for tls:// addresses: the client certificate (Certificates or
+	// GetClientCertificate) and the CA that signed the daemon's (RootCAs). ServerName
+	// defaults to the address's host.
+	TLSConfig *tls.Config
 	// PoolSize is how many connections the client keeps open. Requests are spread over
 	// them, so one slow reply (a Wait) never queues the others behind it.
 	PoolSize int
@@ -50,6 +60,33 @@ type Options struct {
 	// MaxFrameBytes refuses larger requests locally and larger replies as protocol errors;
 	// keep it at the daemon's max_frame_bytes.
 	MaxFrameBytes int
+
+	endpoint endpoint // SocketPath, parsed
+}
+
+// endpoint is a parsed SocketPath.
+type endpoint struct {
+	kind    string // unix, tls or tcp
+	address string // the path, or HOST:PORT
+	host    string
+}
+
+func parseEndpoint(s string) (endpoint, error) {
+	scheme, rest, found := strings.Cut(s, "://")
+	if !found {
+		return endpoint{kind: "unix", address: s}, nil
+	}
+	switch scheme {
+	case "unix":
+		return endpoint{kind: "unix", address: rest}, nil
+	case "tls", "tcp":
+		host, _, err := net.SplitHostPort(rest)
+		if err != nil {
+			return endpoint{}, fmt.Errorf("kvprefetch: %s: %w", s, err)
+		}
+		return endpoint{kind: scheme, address: rest, host: host}, nil
+	}
+	return endpoint{}, fmt.Errorf("kvprefetch: %s: unknown scheme %q (unix, tls or tcp)", s, scheme)
 }
 
 // DefaultSocket is the socket a daemon started with no configuration binds, found by the
@@ -82,6 +119,14 @@ func (o Options) withDefaults() (Options, error) {
 	if o.SocketPath == "" {
 		o.SocketPath = DefaultSocket()
 	}
+	ep, err := parseEndpoint(o.SocketPath)
+	if err != nil {
+		return o, err
+	}
+	if ep.kind == "tls" && o.TLSConfig == nil {
+		return o, errors.New("kvprefetch: a tls:// address needs Options.TLSConfig")
+	}
+	o.endpoint = ep
 	setDefault(&o.PoolSize, DefaultPoolSize)
 	setDefault(&o.MaxInFlight, DefaultMaxInFlight)
 	setDefault(&o.MaxFrameBytes, DefaultMaxFrameBytes)

@@ -2,6 +2,7 @@ package kvprefetch
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"math/rand"
 	"net"
@@ -111,16 +112,26 @@ func (p *pool) keep(i int) {
 
 func (p *pool) dial() (*conn, error) {
 	d := net.Dialer{Timeout: p.opts.DialTimeout}
-	nc, err := d.DialContext(p.ctx, "unix", p.opts.SocketPath)
+	ep := p.opts.endpoint
+	var nc net.Conn
+	var err error
+	switch ep.kind {
+	case "tls":
+		cfg := p.opts.TLSConfig.Clone()
+		if cfg.ServerName == "" {
+			cfg.ServerName = ep.host
+		}
+		td := tls.Dialer{NetDialer: &d, Config: cfg}
+		nc, err = td.DialContext(p.ctx, "tcp", ep.address)
+	case "tcp":
+		nc, err = d.DialContext(p.ctx, "tcp", ep.address)
+	default:
+		nc, err = d.DialContext(p.ctx, "unix", ep.address)
+	}
 	if err != nil {
 		return nil, err
 	}
-	uc, ok := nc.(*net.UnixConn)
-	if !ok {
-		nc.Close()
-		return nil, fmt.Errorf("dialling %s gave a %T", p.opts.SocketPath, nc)
-	}
-	return newConn(uc, p.opts, p.stats, p.wg), nil
+	return newConn(nc, p.opts, p.stats, p.wg), nil
 }
 
 func (p *pool) announce() {
