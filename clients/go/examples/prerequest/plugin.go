@@ -72,6 +72,8 @@ type DaemonConfig struct {
 	// behind a slow tier (`expired`) and they take no fetch slot. Empty: the context's
 	// deadline only.
 	Deadline string `json:"deadline"`
+	// NodeDaemons, when set, reaches the GPU nodes' daemons too (PreRequestTo).
+	NodeDaemons NodeDaemons `json:"nodeDaemons"`
 }
 
 // The seed's defaults (spec §6.1): applied only to objects that are present.
@@ -115,6 +117,7 @@ type Plugin struct {
 	template kvprefetch.KVRequest // hash and layout (or model); prompts filled per request
 	opts     kvprefetch.PrefetchOptions
 	deadline time.Duration // DaemonConfig.Deadline; 0: the context's only
+	nodes    *nodes        // the GPU nodes' daemons; nil: the gateway's only
 }
 
 // NewPlugin maps the seed's configuration onto the client (README.md, "Example"). It
@@ -162,6 +165,10 @@ func NewPlugin(cfg Config) (*Plugin, error) {
 	// maxConcurrentFiles and workQueueSize have no client counterpart: the reads and
 	// their queue are the daemon's (workers, pread_threads, queue_limit), and a full queue
 	// drops and counts there, as the seed's full channel skipped.
+	nodeDaemons, err := newNodes(cfg.KVPrefetchd.NodeDaemons, opts.FireAndForgetTimeout)
+	if err != nil {
+		return nil, err
+	}
 	kv, err := kvprefetch.New(opts)
 	if err != nil {
 		return nil, err
@@ -172,6 +179,7 @@ func NewPlugin(cfg Config) (*Plugin, error) {
 		template: template,
 		opts:     kvprefetch.PrefetchOptions{ReadBytes: int64(p.BlockSize) * int64(p.BlockCount)},
 		deadline: deadline,
+		nodes:    nodeDaemons,
 	}, nil
 }
 
@@ -250,6 +258,9 @@ func (p *Plugin) Counters() kvprefetch.Counters {
 func (p *Plugin) Close() error {
 	if p == nil {
 		return nil
+	}
+	if p.nodes != nil {
+		p.nodes.close()
 	}
 	return p.kv.Close()
 }

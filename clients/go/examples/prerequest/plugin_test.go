@@ -7,6 +7,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -216,4 +217,59 @@ func TestPreRequestIsFireAndForget(t *testing.T) {
 	if err := off.PreRequest(context.Background(), [][]uint32{prompt}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// The router warms the scheduled pod's node too: one call, two daemons, the node's over
+// mutual TLS at an address made from the endpoint's host IP.
+func TestPreRequestToWarmsTheGatewayAndTheNode(t *testing.T) {
+	certs, err := daemontest.NewTLS(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := certs.Client("router", "spiffe://cluster.local/ns/llm-d/sa/router"); err != nil {
+		t.Fatal(err)
+	}
+	port, err := daemontest.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gateway := daemontest.Start(t, daemontest.Config{})
+	node := daemontest.Start(t, daemontest.Config{
+		Extra: certs.TCPConfig(port, "spiffe://cluster.local/ns/llm-d/sa/router")})
+	var cfg Config
+	if err := json.Unmarshal([]byte(exampleParams), &cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg.KVFilePathBase.RootDir = gateway.Root
+	cfg.KVPrefetchd.Socket = gateway.Socket
+	cfg.KVPrefetchd.SendTimeout = "1s"
+	cfg.KVPrefetchd.NodeDaemons = NodeDaemons{
+		AddressTemplate: fmt.Sprintf("tls://{hostIP}:%d", port),
+		CertFile:        filepath.Join(certs.Dir, "router.crt"),
+		KeyFile:         filepath.Join(certs.Dir, "router.key"),
+		CAFile:          certs.CAFile,
+	}
+	p, err := NewPlugin(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	prompt := make([]uint32, 1024)
+	if err := p.PreRequestTo(context.Background(), Endpoint{HostIP: "127.0.0.1"}, [][]uint32{prompt}); err != nil {
+		t.Fatal(err)
+	}
+	toNode, err := p.nodes.client(Endpoint{HostIP: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for (p.Counters().Acked < 1 || toNode.Counters().Acked < 1) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	// The gateway's root holds the layout's files; the node's daemon has another root
+	// here, so it refuses them: what matters is that each was asked, once.
+	if g, n := p.Counters(), toNode.Counters(); g.Acked != 1 || n.Acked != 1 || g.FilesAccepted != 2 {
+		t.Fatalf("gateway %+v, node %+v", g, n)
+	}
+	_ = node
 }
