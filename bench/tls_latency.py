@@ -70,7 +70,7 @@ def main() -> int:
             daemon.stop()
     figures = json.loads(measured.stdout)
     rtt_us = {"unix": 0.0, "tls-veth": 0.0, "tls-rtt0.2ms": 200.0, "tls-rtt2ms": 2000.0}
-    lines = ["| paths | transport | p50 µs | p99 µs | p99 target (1.5 × Unix p99 + RTT) | met |",
+    lines = ["| paths | transport | p50 µs | p99 µs | p99 target (1.5 x Unix p99 + RTT) | met |",
              "|---|---|---|---|---|---|"]
     for size in args.sizes.split(","):
         unix_p99 = figures["unix"][size]["p99_us"]
