@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml")
 VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
-NO_SCHEMA = {"PodMonitor"}  # a CRD of the Prometheus Operator: checked by hand below
+NO_SCHEMA = {"PodMonitor", "Certificate"}  # CRDs (Prometheus Operator, cert-manager)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -45,8 +45,11 @@ def daemon_container(spec: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
-def configmap_config() -> Any:
-    document = load(DEPLOY / "configmap.yaml")
+def configmap_config(folder: Path = DEPLOY) -> Any:
+    """The config of the layout in `folder` (its own ConfigMap, else the parent's)."""
+    if not (folder / "configmap.yaml").exists():
+        folder = DEPLOY
+    document = load(folder / "configmap.yaml")
     return build_config(tomllib.loads(document["data"]["config.toml"]), {})
 
 
@@ -68,7 +71,8 @@ def test_the_validator_refuses_an_unknown_field(tmp_path: Path) -> None:
     assert done.returncode != 0
 
 
-@pytest.mark.parametrize("folder", [DEPLOY, DEPLOY / "sidecar"], ids=["daemonset", "sidecar"])
+@pytest.mark.parametrize("folder", [DEPLOY, DEPLOY / "sidecar", DEPLOY / "gpu-node"],
+                         ids=["daemonset", "sidecar", "gpu-node"])
 def test_each_kustomization_lists_files_that_exist(folder: Path) -> None:
     resources = load(folder / "kustomization.yaml")["resources"]
     assert resources and all((folder / name).is_file() for name in resources), resources
@@ -89,8 +93,8 @@ def test_the_configmap_is_a_config_the_daemon_accepts() -> None:
 def test_workloads_agree_with_the_config_the_image_and_the_version(
     path_and_spec: tuple[Path, dict[str, Any]],
 ) -> None:
-    _, spec = path_and_spec
-    config = configmap_config()
+    path, spec = path_and_spec
+    config = configmap_config(path.parent)
     container = daemon_container(spec)
     assert container["image"].endswith(f"kvprefetchd:{kvprefetchd.__version__}")
     assert container["args"] == ["--config", "/etc/kvprefetchd/config.toml"]
@@ -109,6 +113,26 @@ def test_workloads_agree_with_the_config_the_image_and_the_version(
     assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
     assert spec["securityContext"]["runAsNonRoot"]
     assert spec["securityContext"]["runAsUser"] == containerfile_uid()
+
+
+def test_the_gpu_node_layout_serves_tls_to_the_router_only() -> None:
+    folder = DEPLOY / "gpu-node"
+    config = configmap_config(folder)
+    assert config.listen_tcp.endswith(":7474") and not config.tcp_plaintext_loopback
+    assert config.tls_allowed_clients and config.warm_mode == "advise"
+    daemonset = load(folder / "daemonset.yaml")
+    spec = daemonset["spec"]["template"]["spec"]
+    tls_port = next(p for p in daemon_container(spec)["ports"] if p["name"] == "tls")
+    assert tls_port["containerPort"] == tls_port["hostPort"] == 7474
+    mounts = {m["name"]: m["mountPath"] for m in daemon_container(spec)["volumeMounts"]}
+    secret = next(v for v in spec["volumes"] if v["name"] == "tls")["secret"]["secretName"]
+    assert secret == load(folder / "certificate.yaml")["spec"]["secretName"]
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        assert getattr(config, key).startswith(mounts["tls"] + "/")
+    policy = load(folder / "networkpolicy.yaml")["spec"]
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert {p["port"] for rule in policy["ingress"] for p in rule["ports"]} == {7474, 9464}
 
 
 def test_the_podmonitor_scrapes_the_metrics_port_of_the_daemonsets_pods() -> None:
