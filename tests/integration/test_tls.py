@@ -219,6 +219,7 @@ def test_many_handshakes_and_requests_leave_memory_and_fds_flat(
     before = daemon.stats()["supervisor"]
     round_of(1000, 100_000)  # the figures: 1,000 handshakes, 10^5 requests
     after = daemon.stats()["supervisor"]
+    print(f"supervisor before {before}, after {after}")
     assert after["open_fds"] == before["open_fds"]
     assert after["rss_bytes"] < before["rss_bytes"] * 1.10, (before, after)
 
