@@ -122,9 +122,10 @@ def test_an_unlisted_untrusted_or_expired_client_is_refused_and_opens_nothing(
     daemon, address = tls_daemon
     (path,) = make_files(daemon, 1)
     identity = None if who == "none" else getattr(certs, who)
-    with pytest.raises((ConnectFailed, ConnectionClosed, ServerError)) as refused:
-        with Client(address, ssl_context=client_context(certs, identity), timeout=5) as client:
-            client.prefetch([path], wait=True)
+    context = client_context(certs, identity)
+    with pytest.raises((ConnectFailed, ConnectionClosed, ServerError)) as refused, \
+            Client(address, ssl_context=context, timeout=5) as client:
+        client.prefetch([path], wait=True)
     if who == "other":  # the handshake held: the daemon says why, as on the Unix socket
         assert isinstance(refused.value, ServerError) and refused.value.code == "forbidden"
     stats = daemon.stats()
@@ -137,9 +138,9 @@ def test_plaintext_is_refused_on_the_tls_port_and_a_silent_peer_times_out(
     tls_daemon: Any, certs: Certs
 ) -> None:
     daemon, address = tls_daemon
-    with pytest.raises(KVPrefetchError):
-        with Client(address.replace("tls://", "tcp://"), timeout=5) as client:
-            client.ping()
+    with pytest.raises(KVPrefetchError), \
+            Client(address.replace("tls://", "tcp://"), timeout=5) as client:
+        client.ping()
     host, port = address[len("tls://"):].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as silent:
         assert silent.recv(1) == b""  # closed at tls_handshake_timeout (1 s)
