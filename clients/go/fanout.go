@@ -34,16 +34,9 @@ func (f Fanout) Prefetch(ctx context.Context, paths []string) {
 	}
 	detached := detach(ctx)
 	for _, t := range f.Targets {
-		opts := t.Options
-		opts.Ack, opts.Wait = false, false
-		if opts.Deadline.IsZero() && !opts.NoDeadline {
-			if d, ok := ctx.Deadline(); ok {
-				opts.Deadline = d
-			}
-		}
 		go func(c *Client, opts PrefetchOptions) {
 			_, _ = c.Prefetch(detached, paths, opts) // a drop is counted in c.Counters
-		}(t.Client, opts)
+		}(t.Client, t.options(ctx))
 	}
 }
 
@@ -51,17 +44,22 @@ func (f Fanout) Prefetch(ctx context.Context, paths []string) {
 func (f Fanout) PrefetchBlocks(ctx context.Context, req KVRequest) {
 	detached := detach(ctx)
 	for _, t := range f.Targets {
-		opts := t.Options
-		opts.Ack, opts.Wait = false, false
-		if opts.Deadline.IsZero() && !opts.NoDeadline {
-			if d, ok := ctx.Deadline(); ok {
-				opts.Deadline = d
-			}
-		}
 		go func(c *Client, r BlocksRequest) {
 			_, _ = c.PrefetchBlocks(detached, r)
-		}(t.Client, BlocksRequest{KVRequest: req, PrefetchOptions: opts})
+		}(t.Client, BlocksRequest{KVRequest: req, PrefetchOptions: t.options(ctx)})
 	}
+}
+
+// options are the target's, fire-and-forget, with the caller's deadline taken now.
+func (t FanoutTarget) options(ctx context.Context) PrefetchOptions {
+	opts := t.Options
+	opts.Ack, opts.Wait = false, false
+	if opts.Deadline.IsZero() && !opts.NoDeadline {
+		if d, ok := ctx.Deadline(); ok {
+			opts.Deadline = d
+		}
+	}
+	return opts
 }
 
 // detach keeps ctx's values and drops its cancellation and deadline: the send must not
