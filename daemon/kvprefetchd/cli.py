@@ -89,7 +89,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--listen-tcp", metavar="ADDR:PORT", dest="listen_tcp",
-        help="also listen on TCP, mutual TLS (needs the three --tls-*-file flags)",
+        help="also listen on TCP, mutual TLS only (needs the certificate, key and CA files below)",
     )
     parser.add_argument("--tls-cert-file", metavar="PEM", dest="tls_cert_file",
                         help="the listener's certificate chain")
