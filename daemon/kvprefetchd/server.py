@@ -173,7 +173,12 @@ class Server:
         self.listener = listener
         if self.config.listen_tcp and self.tcp is None:
             self.tcp = TcpListener(self, self.config, self.selector, self.events)
-            self.tcp.listen()
+            try:
+                self.tcp.listen()
+            except BaseException:
+                self.tcp = None
+                self.close_listener()  # the socket file we bound goes too
+                raise
         ensure_fd_room(self.config.max_connections + PRIVILEGED_RESERVE + 256)
 
     def start_accepting(self) -> None:

@@ -230,3 +230,13 @@ def wait_for(condition: Any, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < give_up, "condition never held"
         time.sleep(0.05)
+
+
+def test_unloadable_tls_files_stop_the_daemon_at_start_leaving_no_socket(
+    tmp_path: Path, certs: Certs
+) -> None:
+    config = settings(tmp_path, certs, free_port(), tls_key_file=str(tmp_path / "missing.key"))
+    daemon = start_config(tmp_path, config, wait=False)
+    assert daemon.process.wait(30) == 1
+    assert "TLS files" in daemon.log()  # named, with the error
+    assert not Path(daemon.socket_path).exists()
