@@ -25,6 +25,7 @@ import selectors
 import socket
 import stat
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -319,6 +320,10 @@ class Server:
             pool=self.input_pool, peer=peer, events=self.events,
         )
         connection.address = address
+        if address is not None:
+            # The input pool's fairness is per user; a TCP peer has no uid, so each
+            # address is a user of its own (negative: never a real uid).
+            connection.user = -2 - zlib.crc32(address.encode())
         self.connections[sock.fileno()] = connection
         if peer is not None:
             self.seats.take(peer)
