@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvprefetchd.protocol import OUTCOMES
-from kvprefetchd.reasons import DROPPED, given_path, reason_of
+from kvprefetchd.reasons import reason_of, refusals
 
 if TYPE_CHECKING:
     from kvprefetchd.kv import Profile
@@ -145,20 +145,16 @@ class Books:
                       rejected: list[tuple[object, str]]) -> None:
         """Files dropped (queue full) or rejected before queuing: settled on the spot."""
         if waiter is not None and waiter.inspection is not None:
-            for path, reason in rejected:
-                waiter.inspection.add(given_path(path), "rejected", 0, 0, 0, reason)
-            for path in dropped:
-                waiter.inspection.add(given_path(path), "dropped", 0, 0, 0, DROPPED)
+            for path, state, reason in refusals(rejected, dropped):
+                waiter.inspection.add(path, state, 0, 0, 0, reason)
             return
         self.totals["dropped"] += len(dropped)
         self.totals["rejected_by_supervisor"] += len(rejected)
         if waiter is not None:
             waiter.dropped += len(dropped)
             waiter.rejected += len(rejected)
-            for path, reason in rejected:
-                waiter.fail(given_path(path), "rejected", reason)
-            for path in dropped:
-                waiter.fail(given_path(path), "dropped", DROPPED)
+            for failure in refusals(rejected, dropped):
+                waiter.fail(*failure)
 
     def settle(self, worker: int, record: list[Any]) -> Waiter | None:
         """Record one outcome, [ticket, outcome, bytes] or, for a file not warmed,

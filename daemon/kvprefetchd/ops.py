@@ -49,7 +49,7 @@ from kvprefetchd.protocol import (
     parse_warm_options,
     request_id_of,
 )
-from kvprefetchd.reasons import DROPPED, given_path
+from kvprefetchd.reasons import refusals
 
 log = logging.getLogger("kvprefetchd")
 
@@ -290,21 +290,21 @@ class Ops:
         elif waiter.deadline is not None:
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._sequence), waiter))
 
-    @staticmethod
-    def list_refusals(reply: dict[str, Any], admission: Admission, limit: int) -> None:
+    def list_refusals(self, reply: dict[str, Any], admission: Admission, limit: int) -> None:
         """An ack's `failures`: the files turned away at once (none of them was queued)."""
-        failures = [{"path": given_path(path), "outcome": "rejected", "reason": reason}
-                    for path, reason in admission.refused[:limit]]
-        room = limit - len(failures)
-        failures += [{"path": given_path(path), "outcome": "dropped", "reason": DROPPED}
-                     for path in admission.dropped_paths[: max(room, 0)]]
+        listed = itertools.islice(refusals(admission.refused, admission.dropped_paths), limit)
+        failures = [self.failure(*failure) for failure in listed]
         reply["failures"] = failures
         reply["failures_truncated"] = admission.rejected + admission.dropped - len(failures)
 
+    def path_of(self, where: Any) -> Any:
+        """A failure's or a result's path: the caller's own (refused by the supervisor),
+        or the canonical one for (root_index, relative) (settled by a worker)."""
+        return self.roots.path_of(*where) if type(where) is tuple else where
+
     def failure(self, where: Any, outcome: str, reason: str) -> dict[str, Any]:
-        """One entry of `failures`: where is the caller's path, or (root_index, relative)."""
-        path = self.roots.path_of(*where) if type(where) is tuple else where
-        return {"path": path, "outcome": outcome, "reason": reason}
+        """One entry of `failures`."""
+        return {"path": self.path_of(where), "outcome": outcome, "reason": reason}
 
     def answer(self, waiter: Waiter) -> None:
         """The one place a followed request ends: feed the stale detector, then reply."""
@@ -354,7 +354,7 @@ class Ops:
             results = []
             for where, state, size, cached, tier, reason in inspection.results:
                 result = {
-                    "path": self.roots.path_of(*where) if type(where) is tuple else where,
+                    "path": self.path_of(where),
                     "state": state, "size": size, "resident_bytes": cached, "tier_bytes": tier,
                 }
                 if reason:

@@ -10,6 +10,7 @@ operator can look up.
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterable, Iterator
 
 DROPPED = "dropped_queue_full"
 DEADLINE = "deadline"
@@ -33,6 +34,16 @@ def given_path(path: object) -> str | bytes:
     if isinstance(path, str | bytes):
         return path
     return repr(path)[:200]
+
+
+def refusals(rejected: Iterable[tuple[object, str]], dropped: Iterable[object],
+             ) -> Iterator[tuple[str | bytes, str, str]]:
+    """The files the supervisor turned away, as (path, outcome, reason), in the order
+    every reply lists them: the rejected, then the dropped."""
+    for path, reason in rejected:
+        yield given_path(path), "rejected", reason
+    for path in dropped:
+        yield given_path(path), "dropped", DROPPED
 
 
 def reason_of(outcome: str, err: int) -> str:
