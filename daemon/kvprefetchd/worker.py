@@ -231,21 +231,25 @@ class Worker:
         entries = message.entries
         self.counters["checked" if message.warm_mode == CHECK else "evicted"] += len(entries)
         for start in range(0, len(entries), INSPECT_AT_ONCE):
-            chunk = entries[start : start + INSPECT_AT_ONCE]
+            tickets: list[int] = []
             items: list[WarmItem] = []
-            for _, root_index, relative in chunk:
+            for ticket, root_index, relative in entries[start : start + INSPECT_AT_ONCE]:
                 if action != lib.KVP_INSPECT_CHECK:
                     self.recent.forget((root_index, relative))
-                items.append(WarmItem(self.root_fds[root_index], self.rules[root_index],
-                                      relative, message.read_bytes))
+                root_fd = self.root_fds[root_index]
+                if root_fd < 0:  # not open yet: as a warm-up says of it
+                    self.outcomes.append([ticket, "missing", 0, errno.ENOENT, 0, 0, 0])
+                    continue
+                tickets.append(ticket)
+                items.append(WarmItem(root_fd, self.rules[root_index], relative,
+                                      message.read_bytes))
+            if not items:
+                continue
             native, keep = native_batch(ffi, items)
             out = ffi.new("struct kvp_inspect_out[]", len(items))
             lib.kvp_inspect(action, native, out, len(items))
             del keep
-            for (ticket, _, _), item, result in zip(chunk, items, out, strict=True):
-                if item.root_fd < 0:
-                    self.outcomes.append([ticket, "missing", 0, errno.ENOENT, 0, 0, 0])
-                    continue
+            for ticket, result in zip(tickets, out, strict=True):
                 self.outcomes.append([ticket, states[result.state], 0, int(result.err),
                                       int(result.size), int(result.cached), int(result.tier)])
 
