@@ -20,8 +20,8 @@ from kvprefetchd.config import (
     load_file,
 )
 from kvprefetchd.engines import NoEngine
+from kvprefetchd.listening import SocketInUse
 from kvprefetchd.logs import setup_logging
-from kvprefetchd.server import SocketInUse
 from kvprefetchd.supervisor import HaltError, Supervisor
 from kvprefetchd.tcp import TlsSetupError
 
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", error)
         return EXIT_HALTED
     except OSError as error:
-        # Which socket failed, when the error knows (server.listen_unix names it).
+        # Which socket failed, when the error knows (listening.listen_unix names it).
         where = error.filename if error.filename is not None else config.socket
         log.error("cannot serve on %s: %s", where, error.strerror or error)
         return EXIT_HALTED

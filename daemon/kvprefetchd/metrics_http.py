@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from kvprefetchd.config import MetricsAddress, parse_metrics_address
 from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
-from kvprefetchd.server import ACCEPT_REST, accept_ready, listen_unix, out_of_fds
+from kvprefetchd.listening import ACCEPT_REST, accept_ready, listen_unix, out_of_fds
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -32,7 +32,7 @@ def open_metrics_listener(
     """A non-blocking listening socket for the `metrics` setting (port 0: any free port).
 
     A Unix socket is bound like the main one (umask around bind, a stale file
-    replaced, a live one refused: kvprefetchd.server.listen_unix).
+    replaced, a live one refused: kvprefetchd.listening.listen_unix).
     """
     where = address if isinstance(address, MetricsAddress) else parse_metrics_address(address)
     if where.family == socket.AF_UNIX:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvprefetchd.config import Config, split_host_port
+from kvprefetchd.listening import ACCEPT_REST, accept_ready, out_of_fds, refuse
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, encode_frame, error_reply
 
 if TYPE_CHECKING:
@@ -136,14 +137,13 @@ class TcpListener:
             self.start_accepting()
 
     def on_listener_event(self, _events: int) -> None:
-        from kvprefetchd.server import ACCEPT_REST, out_of_fds
-
         try:
             self.accept()
         except OSError as error:
             if not out_of_fds(error):
                 raise
-            # As the Unix listener does (server.Server.rest): rest rather than spin.
+            # As the Unix listener does (server.Server.rest): rest rather than spin
+            # (ACCEPT_REST, listening.py).
             assert self.sock is not None
             self.selector.unregister(self.sock)
             self.accepting = False
@@ -151,8 +151,6 @@ class TcpListener:
             self.events["accept_paused"] += 1
 
     def accept(self) -> None:
-        from kvprefetchd.server import accept_ready, refuse
-
         assert self.sock is not None
         for sock in accept_ready(self.sock, "tcp"):
             # Replies are small frames: Nagle's wait for an ACK the peer delays costs

@@ -25,8 +25,8 @@ from stats_sample import realistic_stats
 
 from kvprefetchd.config import MetricsAddress, MetricsAddressError, parse_metrics_address
 from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, render
+from kvprefetchd.listening import ACCEPT_REST
 from kvprefetchd.metrics_http import MetricsServer, open_metrics_listener
-from kvprefetchd.server import ACCEPT_REST
 
 BODY = b"# HELP kvprefetchd_up test\n# TYPE kvprefetchd_up gauge\nkvprefetchd_up 1.0\n"
 
