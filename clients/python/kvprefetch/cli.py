@@ -119,23 +119,23 @@ def _parser() -> argparse.ArgumentParser:
                       help="missing files do not make the exit code 4")
     warm.set_defaults(bulk=True, op="warm")
 
+    inspecting = argparse.ArgumentParser(add_help=False)  # check and evict
+    inspecting.add_argument("--timeout-ms", type=_count, metavar="N",
+                            help="give up on a batch after N ms")
+
     check = commands.add_parser(
-        "check", parents=[output, files],
+        "check", parents=[output, files, inspecting],
         help="report which files are resident, reading nothing (like vmtouch)",
         description="Residency of files by their root's rule (page cache, or the tier's "
                     "st_blocks), without reading them or changing their atime.")
-    check.add_argument("--timeout-ms", type=_count, metavar="N",
-                       help="give up on a batch after N ms")
     check.set_defaults(bulk=True, op="check")
 
     evict = commands.add_parser(
-        "evict", parents=[output, files],
+        "evict", parents=[output, files, inspecting],
         help="drop file heads (or whole files) from the page cache; the daemon must allow it",
         description="POSIX_FADV_DONTNEED over the heads (--whole: the whole files); refused "
                     "unless the daemon runs with allow_evict = true.")
     evict.add_argument("--whole", action="store_true", help="evict whole files, not heads")
-    evict.add_argument("--timeout-ms", type=_count, metavar="N",
-                       help="give up on a batch after N ms")
     evict.set_defaults(bulk=True, op="evict")
 
     kv_request = argparse.ArgumentParser(add_help=False)

@@ -99,11 +99,8 @@ def parse_ping(reply: Reply) -> PingResult:
 
 def parse_prefetch(reply: Reply) -> PrefetchResult:
     outcomes = reply.get("outcomes")
-    if outcomes is not None and not (
-        isinstance(outcomes, dict)
-        and all(isinstance(k, str) and _is_int(v) for k, v in outcomes.items())
-    ):
-        raise ProtocolError(f"'outcomes' is not a map of name to count: {outcomes!r}")
+    if outcomes is not None:
+        outcomes = _counts(reply, "outcomes")
     return PrefetchResult(
         accepted=_int(reply, "accepted"),
         dropped=_int(reply, "dropped"),
@@ -133,9 +130,7 @@ def _failures(reply: Reply) -> list[Failure]:
 
 
 def parse_check(reply: Reply) -> CheckResult:
-    states = _get(reply, "states", dict)
-    if not all(isinstance(k, str) and _is_int(v) for k, v in states.items()):
-        raise ProtocolError(f"'states' is not a map of state to count: {states!r}")
+    states = _counts(reply, "states")
     results = None
     if reply.get("results") is not None:
         results = []
@@ -209,6 +204,15 @@ def merge_prefetch(results: Iterable[PrefetchResult]) -> PrefetchResult:
         failures_truncated=sum(r.failures_truncated for r in results),
         room=rooms[-1] if rooms else None,
     )
+
+
+def _counts(reply: Reply, key: str) -> dict[str, int]:
+    """A reply's map of name to count (outcomes, states)."""
+    value = reply.get(key)
+    if not (isinstance(value, dict)
+            and all(isinstance(k, str) and _is_int(v) for k, v in value.items())):
+        raise ProtocolError(f"{key!r} is not a map of name to count: {value!r}")
+    return value
 
 
 def _is_int(value: object) -> bool:
