@@ -197,6 +197,72 @@ void kvp_inspect(int32_t action, const struct kvp_item *items, struct kvp_inspec
 /* Which residency mechanism kvp_resident_bytes uses here: 1 cachestat, 0 mincore. */
 int kvp_have_cachestat(void);
 
+/*
+ * The fast path for warm heads (native/probe.c): a worker asks, on its own
+ * thread and in one call, which files of a message are resident already (or
+ * missing by the dentry cache's word), and hands only the rest to its engines.
+ * It never waits on a file system: roots not on a local one
+ * (kvp_probe_root_local 0) and names outside the dentry cache go to the
+ * queue, as does everything after a slow file or past budget_ns.
+ */
+struct kvp_probe_root {
+    int32_t fd;         /* the root's O_PATH directory fd; -1: not open (never probed) */
+    int32_t residency;  /* KVP_RES_*: OFF roots are never probed (every file is read) */
+    int32_t local;      /* kvp_probe_root_local(fd) */
+};
+struct kvp_prober;
+struct kvp_prober *kvp_prober_new(void);  /* NULL: out of memory */
+void kvp_prober_free(struct kvp_prober *p);
+/* 0 when this kernel lacks what the fast path needs (openat2 with
+ * RESOLVE_CACHED, /proc): every file then goes to the queue. */
+int kvp_prober_works(const struct kvp_prober *p);
+void kvp_prober_force_fallback(struct kvp_prober *p, int32_t which);
+/* 1 when opens beneath root_fd are answered by this kernel alone (ext2/3/4,
+ * xfs, btrfs, f2fs, tmpfs). */
+int kvp_probe_root_local(int32_t root_fd);
+/* paths: n names, each ended by NUL (paths_len bytes in all), relative to
+ * roots[root_index[i]].  Fills resident_out with the indexes of the files
+ * whose first read_bytes are resident by their root's rule, missing_out (and
+ * *nmissing) with those that do not exist (MISSING, ENOENT), and rest_out with
+ * every other index, each in order; returns how many are resident (the rest
+ * are n minus both).  Each array has room for n. */
+size_t kvp_probe(const struct kvp_prober *p, const struct kvp_probe_root *roots, size_t nroots,
+                 const char *paths, size_t paths_len, const uint16_t *root_index, size_t n,
+                 uint64_t read_bytes, int64_t budget_ns, uint32_t *resident_out,
+                 uint32_t *missing_out, size_t *nmissing, uint32_t *rest_out);
+
+/*
+ * Admission (native/admit.c): the supervisor's lexical gate, canonical
+ * spelling, shard and queue room for a whole request in one call.  Paths come
+ * in as one buffer of n names separated by NUL (no NUL after the last); each
+ * gets a KVP_ADMIT_* status, and the admitted ones land in their worker's
+ * share (kvp_admission_share: relative names each ended by NUL, and their root
+ * indexes), valid until the next kvp_admit.  The statuses name the refusals
+ * of docs/protocol.md, "Failures", lower-cased without the prefix.
+ */
+#define KVP_ADMIT_ACCEPTED 0
+#define KVP_ADMIT_DROPPED 1        /* its worker's queue is full */
+#define KVP_ADMIT_RELATIVE 2
+#define KVP_ADMIT_OUTSIDE_ROOTS 3
+#define KVP_ADMIT_DOTDOT 4
+#define KVP_ADMIT_TOO_LONG 5
+#define KVP_ADMIT_NOT_A_FILE 6
+struct kvp_admission;
+/* prefixes: nroots roots, each with one trailing '/', longest first, each
+ * ended by NUL; index: each one's root index.  NULL: out of memory. */
+struct kvp_admission *kvp_admission_new(const char *prefixes, const uint16_t *index,
+                                        uint32_t nroots, uint32_t max_path_bytes,
+                                        uint32_t workers);
+void kvp_admission_free(struct kvp_admission *a);
+/* room[w]: files worker w may still take (decremented as they are admitted).
+ * Returns the files admitted, -EINVAL when blob does not hold n names (a NUL
+ * inside one), -ENOMEM. */
+int64_t kvp_admit(struct kvp_admission *a, const char *blob, size_t len, size_t n,
+                  int64_t *room, uint8_t *status);
+/* Worker w's share of the last kvp_admit: its file count. */
+uint32_t kvp_admission_share(const struct kvp_admission *a, uint32_t worker, const char **paths,
+                             size_t *paths_len, const uint16_t **roots);
+
 /* Testing aid (added by the native engineer): make this ctx behave as if the
  * kernel lacked openat2 (KVP_FALLBACK_OPENAT2: component walk from root_fd,
  * refusing ".." and every symlink) and/or /proc (KVP_FALLBACK_PROC: reopen by a

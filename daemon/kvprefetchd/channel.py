@@ -11,9 +11,11 @@ order, so neither side indexes a message by position.
   worker -> supervisor   Ready (booted, with its engine), BootFailed (why it cannot boot),
                          Done (outcomes since the last Done: the worker's heartbeat)
 
-File entries stay plain arrays ([ticket, root_index, relative] one way, [ticket, outcome,
-bytes] the other): there are thousands per message, and a class per file would cost
-more than the residency check it reports.
+Files travel as buffers one way (a Warm carries its request's share: root indexes and
+NUL-ended names, made by admission and read by the native probe without a Python object
+per file) and as counts or plain arrays the other ([ticket, outcome, bytes, errno] for a
+file not warmed, a bulk record per share for warmed ones): there are thousands per
+message, and a class per file would cost more than the residency check it reports.
 """
 
 from __future__ import annotations
@@ -34,23 +36,31 @@ from kvprefetchd.protocol import HEADER, FrameReader
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_FDS = 16  # fds one read may carry: Root messages are rare and one fd each
 
-# [ticket, root_index, relative path bytes]; ticket 0: a fire-and-forget file.
-WarmEntry = list[Any]
 # [ticket, outcome name, bytes read], [.., errno] for a file not warmed, and
 # [ticket, state, 0, errno, size, cached bytes, tier bytes] for a check or evict.
 Settled = list[Any]
+# [share id, outcome ("read" or "resident"), files, bytes read, their indexes (uint32,
+# native order)]: files of one share settled warm, reported at once.
+Bulk = list[Any]
 
 
 @dataclass(slots=True)
 class Warm:
     """Files for a worker to warm `read_bytes` deep in `warm_mode` ("read" or "advise"),
     or to look at (INSPECT_MODES: check, evict), by `deadline` (CLOCK_MONOTONIC seconds,
-    0: none: one clock for both processes) with item `flags` (KVP_ITEM_*)."""
+    0: none: one clock for both processes) with item `flags` (KVP_ITEM_*).
+
+    The files are a request's share (admit.Share): `roots` (uint16 per file, native
+    order) and `paths` (relative names, each ended by NUL). `share` is its id in the
+    books (file i's ticket is books.ticket_of(share, i)); 0: fire and forget, whose
+    outcomes are reported as counts."""
 
     KIND: ClassVar[str] = "warm"
     read_bytes: int
     warm_mode: str
-    entries: list[WarmEntry]
+    share: int
+    roots: bytes
+    paths: bytes
     deadline: float = 0.0
     flags: int = 0
 
@@ -94,7 +104,8 @@ class Done:
     """Everything a worker settled since its last report; every batch ends in one."""
 
     KIND: ClassVar[str] = "done"
-    settled: list[Settled] = field(default_factory=list)  # files of waiting requests
+    settled: list[Settled] = field(default_factory=list)  # followed files, one by one
+    bulk: list[Bulk] = field(default_factory=list)  # followed files warmed, per share
     counters: dict[str, int] = field(default_factory=dict)  # deltas: batches, dedup hits
     anonymous: dict[str, int] = field(default_factory=dict)  # fire-and-forget: outcome -> n
     anonymous_bytes: int = 0

@@ -27,7 +27,7 @@ class Roots:
 
     def __init__(self, roots: tuple[str, ...], max_path_bytes: int) -> None:
         self.roots = roots
-        self._max = max_path_bytes
+        self.max_path_bytes = self._max = max_path_bytes
         ordered = sorted(range(len(roots)), key=lambda i: -len(roots[i]))
         self._prefixes = [(os.fsencode(roots[i]).rstrip(b"/") + b"/", i) for i in ordered]
         # The common case, one root and plain names, is placed without further calls. The
@@ -38,6 +38,11 @@ class Roots:
         if len(roots) == 1:
             self._only = (roots[0].rstrip("/") + "/", 0)
             self._only_room = max_path_bytes - len(self._prefixes[0][0])
+
+    def prefixes(self) -> list[tuple[bytes, int]]:
+        """Each root as a prefix with one trailing `/`, and its index, longest first: the
+        order a path is matched in (native/admit.c matches the same list)."""
+        return list(self._prefixes)
 
     def place(self, path: object) -> Placed | str:
         """The root a path lies under, or the reason it is rejected (a reason code of

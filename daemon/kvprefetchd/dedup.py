@@ -35,6 +35,11 @@ class RecentlyWarmed:
         self._entries: OrderedDict[Key, tuple[float, int]] = OrderedDict()
         self.bytes = 0  # what the entries cost, by ENTRY_OVERHEAD_BYTES + path bytes
 
+    @property
+    def enabled(self) -> bool:
+        """False when nothing is ever remembered (dedup_ttl_ms 0, or no entries)."""
+        return self._capacity > 0 and self._ttl > 0
+
     def remember(self, key: Key, read_bytes: int) -> None:
         if self._capacity <= 0 or self._ttl <= 0:
             return

@@ -180,8 +180,16 @@ def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
         "in_flight: already being read).",
         labels=["worker", "kind"],
     )
+    probed = CounterMetricFamily(
+        "kvprefetchd_worker_probed",
+        "Files a worker's fast path settled on its own thread (native/probe.c), never "
+        "handed to an engine, by outcome (resident, missing).",
+        labels=["worker", "outcome"],
+    )
     for label, worker in zip(labels, workers, strict=True):
         depth.add_metric([label], worker["queue_depth"])
+        probed.add_metric([label, "resident"], worker["probed_resident"])
+        probed.add_metric([label, "missing"], worker["probed_missing"])
         ready.add_metric([label], float(worker["ready"]))
         silent.add_metric([label], worker["silent_s"])
         batches.add_metric([label], worker["batches"])
@@ -198,6 +206,7 @@ def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
     yield silent
     yield batches
     yield dedup
+    yield probed
     yield from _process("kvprefetchd_worker", "A worker", ["worker"], workers, labels)
 
 

@@ -63,6 +63,14 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def observe_many(self, value: float, times: int) -> None:
+        """`value` observed `times` times (e.g. a run of files settled at once)."""
+        if times <= 0 or value != value:
+            return
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+        self.count += times
+
     def merge(self, counts: Sequence[int], total: float) -> None:
         """Add another histogram's bucket counts and sum (same bounds), e.g. a worker's."""
         if len(counts) != len(self.counts):

@@ -20,7 +20,7 @@ from typing import Any
 
 import kvprefetchd
 from kvprefetch.stats import Stats
-from kvprefetchd.admit import Admission, admit
+from kvprefetchd.admit import Admission, Admitter
 from kvprefetchd.books import Books, Inspection, ReplySink, Waiter
 from kvprefetchd.channel import CHECK, EVICT_FILE, EVICT_HEAD
 from kvprefetchd.config import Config
@@ -77,6 +77,7 @@ class Ops:
         self.config = config
         self.limits = request_limits(config)
         self.roots = Roots(config.roots, config.max_path_bytes)
+        self.admitter = Admitter(self.roots, config.worker_count)
         self.books = books
         self.pool = pool
         self.kv = kv
@@ -220,10 +221,10 @@ class Ops:
         deadline = now + options.timeout_ms / 1000.0 if options.timeout_ms is not None else None
         waiter = Waiter(request.request_id, now, deadline, reply_to=connection,
                         inspection=Inspection(options.details, evict=mode != CHECK))
-        admission = admit(paths, self.roots, self.pool.room())
+        admission = self.admitter.admit(paths, self.pool.room())
         self.books.count_refused(waiter, dropped=admission.dropped_paths,
                                  rejected=admission.refused)
-        self.pool.dispatch(admission.entries, waiter, options.read_bytes, mode)
+        self.pool.dispatch(admission.shares, waiter, options.read_bytes, mode)
         self.follow_up(waiter)
 
     def warm_options(self, request: Request) -> WarmOptions:
@@ -252,7 +253,7 @@ class Ops:
     ) -> None:
         """Queue the files; ack now (fire and forget) or answer once they are settled."""
         self.check_count(paths, request)
-        admission = admit(paths, self.roots, self.pool.room())
+        admission = self.admitter.admit(paths, self.pool.room())
         if admission.refused and log.isEnabledFor(logging.DEBUG):
             for path, reason in admission.refused:
                 log.debug("rejected %r: %s", path, reason)
@@ -270,7 +271,7 @@ class Ops:
                 self.list_refusals(reply, admission, options.max_failures)
             connection.send(reply)
         flags = self.noatime_flag if self.config.preserve_atime else 0
-        self.pool.dispatch(admission.entries, waiter, options.read_bytes, warm_mode,
+        self.pool.dispatch(admission.shares, waiter, options.read_bytes, warm_mode,
                            options.deadline, flags)
         if waiter is not None:
             self.follow_up(waiter)

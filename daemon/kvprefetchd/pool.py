@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvprefetchd.admit import Share
 from kvprefetchd.books import Books, Waiter
 from kvprefetchd.channel import (
     BootFailed,
@@ -242,19 +243,20 @@ class WorkerPool:
         ]
 
     def dispatch(
-        self, shares: list[list[list[object]]], waiter: Waiter | None, read_bytes: int,
+        self, shares: list[Share | None], waiter: Waiter | None, read_bytes: int,
         warm_mode: str, deadline: float = 0.0, flags: int = 0,
     ) -> None:
         """Book each worker's share of a request and send it."""
         now = time.monotonic()
-        for index, entries in enumerate(shares):
+        for index, share in enumerate(shares):
             handle = self.workers[index]
-            if not entries or handle is None:
+            if share is None or handle is None:
                 continue
             if self.books.outstanding(index) == 0:
                 handle.heard = now  # its silence counts from now, not from its last report
-            self.books.issue(index, waiter, entries)
-            self.send(handle, Warm(read_bytes, warm_mode, entries, deadline, flags))
+            share_id = self.books.issue(index, waiter, share)
+            self.send(handle, Warm(read_bytes, warm_mode, share_id, share.roots, share.paths,
+                                   deadline, flags))
 
     def send(self, handle: WorkerHandle, message: Message) -> None:
         handle.output += encode(message)
@@ -313,6 +315,11 @@ class WorkerPool:
                 settle, settled = self.books.settle, self.settled
                 for record in message.settled:
                     waiter = settle(handle.index, record)
+                    if waiter is not None:
+                        settled.append(waiter)
+                for share_id, outcome, count, nbytes, indexes in message.bulk:
+                    waiter = self.books.settle_bulk(handle.index, share_id, outcome, count,
+                                                    nbytes, indexes)
                     if waiter is not None:
                         settled.append(waiter)
                 handle.counters.update(message.counters)

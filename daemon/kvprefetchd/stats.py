@@ -137,6 +137,8 @@ def worker_stats(handle: WorkerHandle, pool: WorkerPool) -> WorkerStats:
         "batches_other_mode": handle.counters["batches_other_mode"],
         "dedup_recent": handle.counters["dedup_recent"],
         "dedup_in_flight": handle.counters["dedup_in_flight"],
+        "probed_resident": handle.counters["probed_resident"],
+        "probed_missing": handle.counters["probed_missing"],
         "queue": cast(QueueStats, handle.queue),
     }
     return figures

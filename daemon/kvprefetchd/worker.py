@@ -17,11 +17,13 @@ import signal
 import socket
 import sys
 import time
+from array import array
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from kvprefetchd.books import TICKET_INDEX_BITS, TICKET_INDEX_MASK, ticket_of
 from kvprefetchd.channel import (
     CHECK,
     EVICT_FILE,
@@ -42,6 +44,7 @@ from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.native import load_native
+from kvprefetchd.probe import Prober
 
 log = logging.getLogger("kvprefetchd.worker")
 
@@ -86,6 +89,36 @@ class WorkerPlan:
 
 
 INSPECT_AT_ONCE = 1024  # files per kvp_inspect call: one cffi array, bounded
+WARM_MODES = ("read", "advise")
+
+
+def roots_of(message: Warm) -> array[int]:
+    """Each file's root index, from the message's buffer."""
+    indexes = array("H")
+    indexes.frombytes(message.roots)
+    return indexes
+
+
+class Tally:
+    """Files of one share settled alike (read or resident): a count, the bytes read, and
+    their indexes, which the books keep should this worker die with the rest out."""
+
+    __slots__ = ("count", "indexes", "nbytes")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.nbytes = 0
+        self.indexes = array("I")
+
+    def add_one(self, index: int, nbytes: int) -> None:
+        self.count += 1
+        self.nbytes += nbytes
+        self.indexes.append(index)
+
+    def add(self, indexes: array[int], nbytes: int) -> None:
+        self.count += len(indexes)
+        self.nbytes += nbytes
+        self.indexes.extend(indexes)
 
 # mallopt(3) parameter numbers, from glibc's <malloc.h>.
 M_MMAP_THRESHOLD = -3
@@ -136,15 +169,18 @@ class Worker:
                                      budget_bytes=plan.dedup_bytes)
         self.in_flight = InFlight()
         self.pending: dict[str, deque[WarmItem]] = {plan.warm_mode: deque()}  # per warm mode
-        self.outcomes: list[list[Any]] = []  # [ticket, outcome, bytes] of waiting requests
+        self.outcomes: list[list[Any]] = []  # followed files not warmed, by ticket
+        self.tallies: dict[tuple[int, str], Tally] = {}  # followed files warmed, per share
         self.anonymous: Counter[str] = Counter()  # outcomes of fire-and-forget files
         self.anonymous_bytes = 0
         self.latency = Histogram(FILE_BUCKETS)  # per file, since the last report
         self.counters = {
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0,
-            "checked": 0, "evicted": 0, "noatime_fallbacks": 0,
+            "probed_resident": 0, "probed_missing": 0, "checked": 0, "evicted": 0,
+            "noatime_fallbacks": 0,
         }
         self.native = load_native()
+        self.prober = Prober(self.native, self.root_fds, self.rules)
         self.noatime_fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
         self.reported = time.monotonic()
@@ -165,6 +201,7 @@ class Worker:
                 elif isinstance(message, Root):
                     self.root_fds[message.index], self.rules[message.index] = (message.fd,
                                                                                message.rule)
+                    self.prober.set_root(message.index, message.fd, message.rule)
                 else:
                     log.warning("worker %d: unexpected %s", self.plan.index, type(message))
             if self.reader.closed:
@@ -191,22 +228,86 @@ class Worker:
         if message.warm_mode in INSPECT_MODES:
             self.inspect(message)
             return
+        count = len(message.roots) // 2
+        if count == 0:
+            return
         received = time.monotonic()
+        read_bytes, deadline, share = message.read_bytes, message.deadline, message.share
+        roots, paths = message.roots, message.paths
+        names: list[bytes] | None = None
+        indexes: Sequence[int] = range(count)
+        if self.recent.enabled:
+            names = paths.split(b"\0")
+            root_of = array("H", roots)
+            indexes = []
+            for index in range(count):
+                if self.recent.covers((root_of[index], names[index]), read_bytes):
+                    self.counters["dedup_recent"] += 1
+                    self.outcome(ticket_of(share, index) if share else 0, "resident", 0)
+                    self.latency.observe(0.0)
+                else:
+                    indexes.append(index)
+            if not indexes:
+                return
+            if len(indexes) < count:  # the probe gets what the memory did not answer
+                roots = array("H", [root_of[i] for i in indexes]).tobytes()
+                paths = b"\0".join([names[i] for i in indexes]) + b"\0"
+        if 0.0 < deadline < received:  # late already: no file of it is read
+            for index in indexes:
+                self.outcome(ticket_of(share, index) if share else 0, "expired", 0)
+            return
+        if self.prober.useful and message.warm_mode in WARM_MODES:
+            resident, missing, rest = self.prober.probe(roots, paths, len(indexes),
+                                                        read_bytes)
+            if resident:
+                self.settle_resident(share, indexes, resident, names, roots_of(message),
+                                     read_bytes)
+            if missing:
+                self.latency.observe_many(0.0, len(missing))
+                self.counters["probed_missing"] += len(missing)
+                if share:
+                    for position in missing:
+                        index = indexes[position]
+                        self.outcomes.append([ticket_of(share, index), "missing", 0,
+                                              errno.ENOENT])
+                else:
+                    self.anonymous["missing"] += len(missing)
+            if not rest:
+                return
+            indexes = [indexes[i] for i in rest] if isinstance(indexes, list) else rest
+        if names is None:
+            names = message.paths.split(b"\0")
+        self.queue_up(message, share, indexes, names, roots_of(message), received)
+
+    def settle_resident(self, share: int, indexes: Sequence[int], found: bytes,
+                        names: list[bytes] | None, root_of: array[int], read_bytes: int) -> None:
+        """Files the probe found warm: one tally per share, remembered when dedup is on.
+        `found` indexes `indexes` (uint32, native order)."""
+        positions = array("I")
+        positions.frombytes(found)
+        if isinstance(indexes, list):
+            positions = array("I", [indexes[i] for i in positions])
+        self.counters["probed_resident"] += len(positions)
+        self.latency.observe_many(0.0, len(positions))
+        if share:
+            self.tally(share, "resident").add(positions, 0)
+        else:
+            self.anonymous["resident"] += len(positions)
+        if self.recent.enabled and names is not None:
+            for index in positions:
+                self.recent.remember((root_of[index], names[index]), read_bytes)
+
+    def queue_up(self, message: Warm, share: int, indexes: Sequence[int], names: list[bytes],
+                 root_of: array[int], received: float) -> None:
+        """Files the engines must decide: joined to one already out, or queued."""
         read_bytes, deadline, flags = message.read_bytes, message.deadline, message.flags
-        expired = 0.0 < deadline < received  # late already: no file of it is read
         queue = self.pending.get(message.warm_mode)
         if queue is None:
             queue = self.pending[message.warm_mode] = deque()
-        for ticket, root_index, relative in message.entries:
+        for index in indexes:
+            ticket = ticket_of(share, index) if share else 0
+            root_index, relative = root_of[index], names[index]
             key: Key = (root_index, relative)
-            if self.recent.covers(key, read_bytes):
-                self.counters["dedup_recent"] += 1
-                self.outcome(ticket, "resident", 0)
-                self.latency.observe(0.0)
-                continue
-            if expired:
-                self.outcome(ticket, "expired", 0)
-                continue
             if not self.in_flight.join(key, read_bytes, ticket):
                 self.counters["dedup_in_flight"] += 1
                 continue
@@ -215,9 +316,8 @@ class Worker:
                 for waiting in self.in_flight.settle(key, read_bytes):
                     self.outcome(waiting, "missing", 0, errno.ENOENT)
                 continue
-            rule = self.rules[root_index]
-            queue.append(WarmItem(root_fd, rule, relative, read_bytes, key, received, deadline,
-                                  flags))
+            queue.append(WarmItem(root_fd, self.rules[root_index], relative, read_bytes, key,
+                                  received, deadline, flags))
 
     def inspect(self, message: Warm) -> None:
         """check or evict: look at each file (kvp_inspect) and report its state and
@@ -228,12 +328,15 @@ class Worker:
                   else lib.KVP_INSPECT_EVICT_FILE if message.warm_mode == EVICT_FILE
                   else lib.KVP_INSPECT_EVICT_HEAD)
         states = self.native.check_states
-        entries = message.entries
-        self.counters["checked" if message.warm_mode == CHECK else "evicted"] += len(entries)
-        for start in range(0, len(entries), INSPECT_AT_ONCE):
+        names, root_of = message.paths.split(b"\0"), roots_of(message)
+        count = len(root_of)
+        self.counters["checked" if message.warm_mode == CHECK else "evicted"] += count
+        for start in range(0, count, INSPECT_AT_ONCE):
             tickets: list[int] = []
             items: list[WarmItem] = []
-            for ticket, root_index, relative in entries[start : start + INSPECT_AT_ONCE]:
+            for index in range(start, min(count, start + INSPECT_AT_ONCE)):
+                ticket = ticket_of(message.share, index)
+                root_index, relative = root_of[index], names[index]
                 if action != lib.KVP_INSPECT_CHECK:
                     self.recent.forget((root_index, relative))
                 root_fd = self.root_fds[root_index]
@@ -313,21 +416,28 @@ class Worker:
 
     def outcome(self, ticket: int, outcome: str, nbytes: int, error: int = 0) -> None:
         """Ticket 0 is a fire-and-forget file: reported as a count, not one by one. A
-        waited-for file that was not warmed carries its errno: the reply says why."""
-        if ticket:
-            if outcome == "read" or outcome == "resident":
-                self.outcomes.append([ticket, outcome, nbytes])
-            else:
-                self.outcomes.append([ticket, outcome, nbytes, error])
-        else:
+        followed file that was warmed goes in its share's tally; one that was not is
+        reported by ticket with its errno: the reply names it and says why."""
+        if not ticket:
             self.anonymous[outcome] += 1
             self.anonymous_bytes += nbytes
+        elif outcome == "read" or outcome == "resident":
+            self.tally(ticket >> TICKET_INDEX_BITS, outcome).add_one(
+                ticket & TICKET_INDEX_MASK, nbytes)
+        else:
+            self.outcomes.append([ticket, outcome, nbytes, error])
+
+    def tally(self, share: int, outcome: str) -> Tally:
+        tally = self.tallies.get((share, outcome))
+        if tally is None:
+            tally = self.tallies[(share, outcome)] = Tally()
+        return tally
 
     def flush(self) -> None:
         """Report what was settled since the last report; with nothing settled, an empty
         report once a second while files are out, so the supervisor hears a live worker."""
         now = time.monotonic()
-        if not self.outcomes and not self.anonymous:
+        if not self.outcomes and not self.anonymous and not self.tallies:
             busy = any(engine.outstanding for engine in self.engines.built())
             if not busy or now - self.reported < HEARTBEAT_SECONDS:
                 return
@@ -343,6 +453,8 @@ class Worker:
             queue = self.queue_figures()
         send_all_blocking(self.sock, Done(
             settled=self.outcomes,
+            bulk=[[share, outcome, tally.count, tally.nbytes, tally.indexes.tobytes()]
+                  for (share, outcome), tally in self.tallies.items()],
             counters=counters,
             anonymous=dict(self.anonymous),
             anonymous_bytes=self.anonymous_bytes,
@@ -351,6 +463,7 @@ class Worker:
             queue=queue,
         ))
         self.outcomes = []
+        self.tallies = {}
         self.anonymous.clear()
         self.anonymous_bytes = 0
         self.latency = Histogram(FILE_BUCKETS)

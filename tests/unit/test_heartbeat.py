@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvprefetchd import faults
+from kvprefetchd.admit import Share
 from kvprefetchd.books import Books, Waiter
 from kvprefetchd.channel import ChannelReader, Done
 from kvprefetchd.config import build_config
@@ -67,7 +68,8 @@ class Patched:
         return handle
 
     def issue(self, worker: int, waiter: Waiter | None, files: int) -> None:
-        self.books.issue(worker, waiter, [[0, 0, f"{i}.bin".encode()] for i in range(files)])
+        self.books.issue(worker, waiter, Share.of([0] * files,
+                                                  [f"{i}.bin".encode() for i in range(files)]))
 
     def close(self) -> None:
         for peer in self.peers:
@@ -134,7 +136,7 @@ def test_work_handed_to_an_idle_worker_starts_its_clock_but_more_work_does_not(
     patched.handle(0).heard = long_ago  # idle since long ago
     patched.issue(1, None, 1)  # busy, last heard a while ago
     patched.handle(1).heard = long_ago + TIMEOUT
-    shares: list[list[list[object]]] = [[[0, 0, b"a.bin"]], [[0, 0, b"b.bin"]]]
+    shares: list[Share | None] = [Share.of([0], [b"a.bin"]), Share.of([0], [b"b.bin"])]
     pool.dispatch(shares, None, MIB, "read")
     assert patched.books.outstanding(0) == 1 and patched.books.outstanding(1) == 2
     assert patched.handle(0).heard > long_ago + TIMEOUT

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from array import array
 from collections import Counter
 from typing import Any
 
-from kvprefetchd.admit import admit, shard_of
-from kvprefetchd.books import Books, Waiter
+from kvprefetchd.admit import Share, admit, shard_of
+from kvprefetchd.books import Books, Waiter, ticket_of
 from kvprefetchd.confine import Roots
 from kvprefetchd.dedup import InFlight, RecentlyWarmed
 
@@ -74,17 +75,18 @@ def test_admit_confines_shards_and_drops_past_the_room() -> None:
     ]
     expected = [sum(1 for i in range(10) if shard_of(0, f"{i}.bin".encode(), 2) == w)
                 for w in (0, 1)]
-    assert len(admission.entries[0]) == min(3, expected[0])
-    assert len(admission.entries[1]) == expected[1]
+    counts = [share.count if share else 0 for share in admission.shares]
+    assert counts == [min(3, expected[0]), expected[1]]
     assert admission.dropped == expected[0] - min(3, expected[0])
     assert admission.accepted + admission.dropped + admission.rejected == len(paths)
-    for worker, share in enumerate(admission.entries):
-        for ticket, root, relative in share:
-            assert (ticket, root) == (0, 0) and shard_of(0, relative, 2) == worker
+    for worker, share in enumerate(admission.shares):
+        assert share is not None
+        assert list(share.root_indexes()) == [0] * share.count
+        assert all(shard_of(0, relative, 2) == worker for relative in share.names())
 
 
-def entries(n: int) -> list[list[Any]]:
-    return [[0, 0, f"{i}.bin".encode()] for i in range(n)]
+def entries(n: int) -> Share:
+    return Share.of([0] * n, [f"{i}.bin".encode() for i in range(n)])
 
 
 def waiter() -> Waiter:
@@ -98,14 +100,12 @@ def balanced(request: Waiter) -> bool:
 def test_books_complete_a_waiter_once_its_last_file_settles() -> None:
     books = Books(workers=2)
     request = waiter()
-    first, second = entries(1), entries(1)
-    books.issue(0, request, first)
-    books.issue(1, request, second)
-    (t1,), (t2,) = [e[0] for e in first], [e[0] for e in second]
-    assert t1 and t2 and t1 != t2  # real tickets written into the entries
+    first = books.issue(0, request, entries(1))
+    second = books.issue(1, request, entries(2))
+    assert first and second and first != second  # each share booked under its own id
     books.count_refused(request, dropped=["/kv/x", "/kv/y"], rejected=[])
-    assert books.settle(0, [t1, "read", 4096]) is None
-    assert books.settle(1, [t2, "resident", 0]) is request
+    assert books.settle(0, [ticket_of(first, 0), "read", 4096]) is None
+    assert books.settle_bulk(1, second, "resident", 2, 0, bytes(8)) is request
     assert request.outcome_map()["read"] == 1 and request.dropped == 2
     assert balanced(request) and books.bytes_read == 4096
     assert request.failures == [("/kv/x", "dropped", "dropped_queue_full"),
@@ -116,14 +116,13 @@ def test_books_name_why_each_waited_file_failed_up_to_the_limit() -> None:
     books = Books(workers=1)
     request = waiter()
     request.max_failures = 2
-    files = entries(4)
-    books.issue(0, request, files)
-    books.settle(0, [files[0][0], "missing", 0, 2])
-    books.settle(0, [files[1][0], "rejected", 0, 18])
-    books.settle(0, [files[2][0], "expired", 0, 0])
-    assert books.settle(0, [files[3][0], "read", 4096]) is request
-    assert request.failures == [((files[0][1], files[0][2]), "missing", "ENOENT"),
-                                ((files[1][1], files[1][2]), "rejected", "symlink_escape")]
+    share = books.issue(0, request, entries(4))
+    books.settle(0, [ticket_of(share, 0), "missing", 0, 2])
+    books.settle(0, [ticket_of(share, 1), "rejected", 0, 18])
+    books.settle(0, [ticket_of(share, 2), "expired", 0, 0])
+    assert books.settle(0, [ticket_of(share, 3), "read", 4096]) is request
+    assert request.failures == [((0, b"0.bin"), "missing", "ENOENT"),
+                                ((0, b"1.bin"), "rejected", "symlink_escape")]
     assert request.failures_truncated == 1 and balanced(request)
     assert books.totals["expired"] == 1
 
@@ -131,35 +130,36 @@ def test_books_name_why_each_waited_file_failed_up_to_the_limit() -> None:
 def test_books_fail_a_dead_workers_files() -> None:
     books = Books(workers=2)
     request = waiter()
-    mine, other = entries(3), entries(1)
-    books.issue(0, request, mine)
-    books.issue(1, request, other)
-    books.settle(1, [other[0][0], "read", 1])
+    mine = books.issue(0, request, entries(5))
+    other = books.issue(1, request, entries(1))
+    books.settle(1, [ticket_of(other, 0), "read", 1])
+    books.settle_bulk(0, mine, "resident", 2, 0, array("I", [1, 3]).tobytes())
+    books.settle(0, [ticket_of(mine, 4), "missing", 0, 2])
     assert books.fail_worker(0) == [request]
-    assert request.outcome_map()["failed"] == 3 and balanced(request)
+    assert request.outcome_map()["failed"] == 2 and balanced(request)
+    # The files still out are named: not the ones settled in bulk or one by one.
+    assert sorted(f[0] for f in request.failures if f[2] == "worker_lost") == [
+        (0, b"0.bin"), (0, b"2.bin")]
     assert books.outstanding(0) == 0
-    assert books.settle(0, [mine[0][0], "read", 1]) is None  # a late answer changes nothing
+    assert books.settle(0, [ticket_of(mine, 0), "read", 1]) is None  # a late answer: nothing
 
 
 def test_books_expire_keeps_totals_honest() -> None:
     books = Books(workers=1)
     request = waiter()
-    files = entries(2)
-    books.issue(0, request, files)
-    books.settle(0, [files[0][0], "read", 10])
+    share = books.issue(0, request, entries(2))
+    books.settle(0, [ticket_of(share, 0), "read", 10])
     books.expire(request)
     request.answered = True
     assert request.outcome_map()["expired"] == 1 and balanced(request)
-    books.settle(0, [files[1][0], "read", 10])
+    books.settle_bulk(0, share, "read", 1, 10, array("I", [1]).tobytes())
     assert books.totals["read"] == 2 and books.outstanding(0) == 0
     assert books.waiters() == []
 
 
 def test_fire_and_forget_files_are_counted_without_tickets() -> None:
     books = Books(workers=2)
-    files = entries(5)
-    books.issue(1, None, files)
-    assert [entry[0] for entry in files] == [0] * 5
+    assert books.issue(1, None, entries(5)) == 0
     assert books.outstanding(1) == 5 and books.outstanding(0) == 0
     books.settle_anonymous(1, {"read": 2, "missing": 1}, 8192)
     assert books.outstanding(1) == 2

@@ -47,6 +47,8 @@ class WorkerStats(ProcessFigures):
     batches_other_mode: int  # of those, batches in a model profile's other warm mode
     dedup_recent: int  # files answered from the memory of heads warmed a moment ago
     dedup_in_flight: int  # files that joined a read already queued or running
+    probed_resident: int  # files its fast path found resident (native/probe.c)
+    probed_missing: int  # files its fast path found missing (a negative dentry)
     queue: QueueStats  # the asynchronous queue's state, as last reported
 
 

@@ -1,0 +1,163 @@
+"""The fast path for warm heads (native/probe.c) on real files and the real page cache.
+
+kvp_probe may only ever say "resident", and only when the root's rule says so; every
+other file, and every file it could not look at without waiting, goes to the rest (the
+queue then decides it as before).
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from pathlib import Path
+from typing import Any
+
+import pytest
+from native_helpers import KiB, evict, open_root, skip_if_dropped, write_file
+
+from kvprefetchd._native import ffi, lib
+
+BUDGET = 10**9
+
+
+class Probe:
+    def __init__(self, roots: list[tuple[int, int]], *, fallback: int = 0) -> None:
+        self.prober = ffi.gc(lib.kvp_prober_new(), lib.kvp_prober_free)
+        if fallback:
+            lib.kvp_prober_force_fallback(self.prober, fallback)
+        self.roots = ffi.new("struct kvp_probe_root[]", len(roots))
+        for slot, (fd, rule) in zip(self.roots, roots, strict=True):
+            slot.fd, slot.residency = fd, rule
+            slot.local = lib.kvp_probe_root_local(fd)
+
+    def run(self, files: list[tuple[int, str]], read_bytes: int,
+            budget: int = BUDGET, paths: bytes | None = None,
+            ) -> tuple[list[int], list[int], list[int]]:
+        n = len(files)
+        blob = paths if paths is not None else b"".join(
+            name.encode() + b"\0" for _, name in files)
+        indexes = array("H", [root for root, _ in files]).tobytes()
+        found, rest = ffi.new("uint32_t[]", max(n, 1)), ffi.new("uint32_t[]", max(n, 1))
+        missing, nmissing = ffi.new("uint32_t[]", max(n, 1)), ffi.new("size_t *")
+        k = lib.kvp_probe(self.prober, self.roots, len(self.roots), blob, len(blob),
+                          ffi.from_buffer("uint16_t[]", indexes), n, read_bytes, budget,
+                          found, missing, nmissing, rest)
+        m = nmissing[0]
+        return list(found[0:k]), list(missing[0:m]), list(rest[0 : n - k - m])
+
+
+def warm(path: Path) -> None:
+    with open(path, "rb") as handle:
+        handle.read()
+
+
+@pytest.fixture
+def probe_works() -> None:
+    prober = ffi.gc(lib.kvp_prober_new(), lib.kvp_prober_free)
+    if not lib.kvp_prober_works(prober):
+        pytest.skip("no openat2 with RESOLVE_CACHED or no /proc here")
+
+
+def test_only_resident_heads_are_found_every_other_file_is_left(
+        root: Any, probe_works: None, tmp_path: Path) -> None:
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    hot, cold = write_file(root.path / "hot", 64 * KiB), write_file(root.path / "cold", 64 * KiB)
+    half = write_file(root.path / "half", 128 * KiB)
+    empty = write_file(root.path / "empty", 0)
+    (root.path / "dir").mkdir()
+    os.mkfifo(root.path / "fifo")
+    outside = write_file(tmp_path / "outside", 4 * KiB)
+    warm(outside)
+    os.symlink(outside, root.path / "escape")
+    os.symlink("hot", root.path / "inside")
+    evict(cold)
+    evict(half)
+    warm(hot)
+    fd = os.open(half, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the 64 KiB
+        os.pread(fd, 64 * KiB, 0)
+    finally:
+        os.close(fd)
+    assert not (root.path / "absent").exists()  # its negative dentry: cached now
+    probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
+    names = ["hot", "cold", "half", "empty", "dir", "fifo", "escape", "inside", "absent",
+             "../outside", "/etc/passwd", "", "never-looked-up"]
+    found, missing, rest = probe.run([(0, name) for name in names], 128 * KiB)
+    got = [names[i] for i in found]
+    assert set(got) <= {"hot", "empty", "inside"}
+    assert set(got) == {"hot", "empty", "inside"} or skip_if_dropped()
+    # Missing by the dentry cache's word only: a name never looked up is the queue's.
+    assert [names[i] for i in missing] == ["absent"]
+    assert sorted(found + missing + rest) == list(range(len(names)))  # each index once
+    assert rest == sorted(rest) and found == sorted(found)
+    # A shallower head of the half-read file is resident.
+    assert probe.run([(0, "half")], 64 * KiB)[0] == [0] or skip_if_dropped()
+    assert hot.exists() and empty.exists()
+
+
+def test_the_tier_rule_goes_by_allocation_not_by_the_page_cache(
+        root: Any, probe_works: None) -> None:
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    written = write_file(root.path / "written", 256 * KiB)
+    evict(written)
+    with open(root.path / "sparse", "wb") as handle:
+        handle.truncate(256 * KiB)  # a stub: its size, no blocks
+    probe = Probe([(root.fd, lib.KVP_RES_TIER)])
+    assert probe.run([(0, "written"), (0, "sparse")], 64 * KiB) == ([0], [], [1])
+
+
+def test_roots_the_probe_must_not_touch_are_left_whole(root: Any, probe_works: None) -> None:
+    write_file(root.path / "hot", 4 * KiB)
+    warm(root.path / "hot")
+    proc = open_root(Path("/proc/self"))
+    try:
+        probe = Probe([(root.fd, lib.KVP_RES_OFF), (-1, lib.KVP_RES_PAGECACHE),
+                       (proc, lib.KVP_RES_PAGECACHE)])
+        assert lib.kvp_probe_root_local(proc) == 0
+        files = [(0, "hot"), (1, "hot"), (2, "status"), (7, "hot")]  # 7: no such root
+        assert probe.run(files, 4 * KiB) == ([], [], [0, 1, 2, 3])
+    finally:
+        os.close(proc)
+
+
+def test_without_its_kernel_features_the_probe_leaves_everything(
+        root: Any, probe_works: None) -> None:
+    write_file(root.path / "hot", 4 * KiB)
+    warm(root.path / "hot")
+    for which in (lib.KVP_FALLBACK_OPENAT2, lib.KVP_FALLBACK_PROC):
+        probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)], fallback=which)
+        assert probe.run([(0, "hot")], 4 * KiB) == ([], [], [0])
+
+
+def test_a_call_stops_at_its_budget_and_at_a_short_buffer(root: Any, probe_works: None) -> None:
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    for i in range(5):
+        write_file(root.path / f"f{i}", 4 * KiB)
+        warm(root.path / f"f{i}")
+    probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
+    files = [(0, f"f{i}") for i in range(5)]
+    found, _, rest = probe.run(files, 4 * KiB, budget=0)
+    assert len(found) <= 1 and sorted(found + rest) == list(range(5))
+    # Three names for five files: the last two are left, never read past the buffer.
+    found, _, rest = probe.run(files, 4 * KiB, paths=b"f0\0f1\0f2\0")
+    assert rest[-2:] == [3, 4] and 3 not in found and 4 not in found
+
+
+def test_names_outside_the_dentry_cache_are_left_to_the_queue(
+        root: Any, probe_works: None) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("dropping the dentry cache needs root")
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    (root.path / "d").mkdir()
+    write_file(root.path / "d" / "f", 4 * KiB)
+    assert not (root.path / "d" / "g").exists()
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")  # dentries and inodes
+    probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
+    # Neither the file nor the absent name is known any more: no answer without I/O.
+    assert probe.run([(0, "d/f"), (0, "d/g")], 4 * KiB) == ([], [], [0, 1])
