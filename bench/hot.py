@@ -12,8 +12,18 @@ dedup_ttl_ms = 0 (so every file pays the real residency check), under each resid
   acks), the rate the daemon settled them at (from its stats, until nothing is in flight),
   and CPU per file.
 
+- memory (--distinct N, 0: skipped): N distinct paths streamed through a daemon at its
+  default dedup settings in fire-and-forget requests of --chunk paths, as fast as the
+  acks' room allows: one in 100 a real file of --memory-files 4 KiB files (each once, so
+  the workers' memory of recent reads passes its bound, dedup_entries = 4,096 here, within
+  the warm-up), the rest names
+  not written yet (under 1,000 absent folders). The RSS of the supervisor and of each
+  worker is sampled twice a second; after the first 10% of the paths (warm-up), its
+  least and largest values against the sample at the end of the warm-up.
+
 Figures, never verdicts: the targets of issue 16 (<= 8 us of daemon CPU per file,
->= 150,000 files/s with 0 dropped, supervisor <= 3 us per path) are printed beside them.
+>= 150,000 files/s with 0 dropped, supervisor <= 3 us per path, RSS within +-5% under
+10^7 distinct paths) are printed beside them.
 """
 
 from __future__ import annotations
@@ -23,15 +33,19 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from kvharness.daemon import Daemon, start_config
 from kvharness.pagecache import resident_bytes
 
 TARGETS = {"daemon_cpu_us_per_file": 8.0, "supervisor_cpu_us_per_path": 3.0,
-           "sustained_files_per_s": 150_000}
+           "sustained_files_per_s": 150_000, "rss_band": 0.05}
+WARMUP_SHARE = 0.1  # of the memory phase's paths, before RSS is judged
+DEDUP_ENTRIES = 4096  # per worker, in the memory phase
 RULES = ("pagecache", "tier")
 
 
@@ -124,6 +138,85 @@ def phase_sustained(daemon: Daemon, pids: Sequence[int], paths: Sequence[str],
     }
 
 
+def distinct_paths(base: Path, real: Sequence[str], count: int) -> Iterator[str]:
+    """`count` distinct paths: every 100th a real file (each once, while they last), the
+    rest names not written yet, under 1,000 absent folders."""
+    absent = base / "distinct-absent"
+    for i in range(count):
+        if i % 100 == 0 and i // 100 < len(real):
+            yield real[i // 100]
+        else:
+            yield f"{absent}/d{i % 1000:03d}/{i:012x}.bin"
+
+
+def rss_of(pids: Sequence[int]) -> list[int]:
+    return [psutil.Process(pid).memory_info().rss for pid in pids]
+
+
+def phase_memory(args: argparse.Namespace, on_step: Callable[[str], None]) -> dict[str, Any]:
+    real = make_set(args.base, args.memory_files, 4096)
+    # dedup_entries is lowered so its bound is reached within the warm-up (at the default
+    # 65,536 per worker it takes 131,072 distinct warmed files): the run then shows the
+    # memory of recent reads forgetting as fast as it learns.
+    daemon = start_config(args.out / "daemon-memory", {"roots": [str(args.base)], "workers": 2,
+                                                       "dedup_entries": DEDUP_ENTRIES})
+    try:
+        pids = [daemon.process.pid, *daemon.worker_pids()]
+        names = ["supervisor", *(f"worker {i}" for i in range(len(pids) - 1))]
+        samples: list[tuple[int, list[int]]] = []
+        sent = dropped = 0
+        next_sample = time.perf_counter()
+        started = next_sample
+        chunk: list[str] = []
+        with daemon.connect(60) as connection:
+            for path in distinct_paths(args.base, real, args.distinct):
+                chunk.append(path)
+                if len(chunk) < args.chunk:
+                    continue
+                ack = connection.call_ok("prefetch", paths=chunk)
+                sent += len(chunk)
+                dropped += ack["dropped"]
+                chunk = []
+                while ack["room"] < args.chunk:  # the workers are behind: let them catch up
+                    time.sleep(0.002)
+                    ack = connection.call_ok("prefetch", paths=[])
+                if time.perf_counter() >= next_sample:
+                    samples.append((sent, rss_of(pids)))
+                    next_sample += 0.5
+                    if len(samples) % 20 == 0:
+                        on_step(f"hot: memory {sent:,} paths")
+            if chunk:
+                dropped += connection.call_ok("prefetch", paths=chunk)["dropped"]
+                sent += len(chunk)
+        while daemon.stats()["files"]["in_flight"] > 0:
+            time.sleep(0.01)
+        seconds = time.perf_counter() - started
+        samples.append((sent, rss_of(pids)))
+        workers = daemon.stats()["workers"]
+    finally:
+        daemon.stop()
+    warm = next((k for k, (at, _) in enumerate(samples) if at >= WARMUP_SHARE * sent),
+                len(samples) - 1)
+    processes = {}
+    for column, name in enumerate(names):
+        after = [rss[column] for _, rss in samples[warm:]]
+        base_rss = after[0]
+        processes[name] = {
+            "rss_at_warmup_mib": round(base_rss / 2**20, 2),
+            "rss_min_mib": round(min(after) / 2**20, 2),
+            "rss_max_mib": round(max(after) / 2**20, 2),
+            "rss_last_mib": round(after[-1] / 2**20, 2),
+            "band": [round(min(after) / base_rss - 1, 4), round(max(after) / base_rss - 1, 4)],
+        }
+    return {"paths": sent, "distinct": args.distinct, "real_files": len(real),
+            "dedup_entries": DEDUP_ENTRIES,
+            "dropped": dropped, "seconds": round(seconds, 1),
+            "paths_per_s": round(sent / seconds), "samples": len(samples),
+            "warmup_paths": samples[warm][0], "processes": processes,
+            "probed": {"resident": sum(w["probed_resident"] for w in workers),
+                       "missing": sum(w["probed_missing"] for w in workers)}}
+
+
 def run(args: argparse.Namespace,
         on_step: Callable[[str], None] = lambda _step: None) -> dict[str, Any]:
     paths = make_set(args.base, args.files, args.size)
@@ -147,6 +240,9 @@ def run(args: argparse.Namespace,
             daemon.stop()
         results["rules"][rule] = {"resident_before": resident, "wait": wait,
                                   "sustained": sustained}
+    if args.distinct:
+        on_step("hot: memory")
+        results["memory"] = phase_memory(args, on_step)
     return results
 
 
@@ -165,6 +261,18 @@ def summary(results: dict[str, Any]) -> list[str]:
                      f"{wait['wall_us_per_file']} | {sus['achieved_offer_per_s']} | "
                      f"{sus['dropped']} | {sus['settled_files_per_s']} | "
                      f"{sus['daemon_cpu_us_per_file']} |")
+    memory = results.get("memory")
+    if memory:
+        lines += ["", f"**Memory**: {memory['paths']:,} distinct paths ({memory['real_files']:,} "
+                  f"real files among them) in {memory['seconds']} s, {memory['dropped']} "
+                  f"dropped; RSS after the first {memory['warmup_paths']:,} paths (target: "
+                  "within +-5%):", "",
+                  "| process | at warm-up MiB | min | max | last | band |",
+                  "|---|---|---|---|---|---|"]
+        for name, p in memory["processes"].items():
+            lines.append(f"| {name} | {p['rss_at_warmup_mib']} | {p['rss_min_mib']} | "
+                         f"{p['rss_max_mib']} | {p['rss_last_mib']} | "
+                         f"{p['band'][0]:+.1%} .. {p['band'][1]:+.1%} |")
     return lines
 
 
@@ -173,7 +281,7 @@ def scenario(results: dict[str, Any], raw_path: Path) -> dict[str, Any]:
     served resident (a resident set must come back resident; a few reclaimed heads read)."""
     return {"kind": "hot", "name": "hot", "raw": str(raw_path), "files": results["files"],
             "file_bytes": results["file_bytes"], "targets": results["targets"],
-            "rules": results["rules"]}
+            "rules": results["rules"], "memory": results.get("memory")}
 
 
 def ok(entry: dict[str, Any]) -> bool:
@@ -192,7 +300,8 @@ def argv_of(table: dict[str, Any], base: Path, out: Path) -> list[str]:
     return argv
 
 
-HOT_KEYS = {"files", "size", "reps", "wait_paths", "rate", "chunk", "seconds"}
+HOT_KEYS = {"files", "size", "reps", "wait_paths", "rate", "chunk", "seconds", "distinct",
+            "memory_files"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -204,6 +313,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=int, default=150_000, help="files/s offered")
     parser.add_argument("--chunk", type=int, default=1000, help="paths per request")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to offer")
+    parser.add_argument("--distinct", type=int, default=0,
+                        help="distinct paths for the memory phase (0: no memory phase)")
+    parser.add_argument("--memory-files", type=int, default=100_000,
+                        help="real 4 KiB files among them (each once)")
     parser.add_argument("--base", type=Path, default=Path("/var/tmp/kvbench"))
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)

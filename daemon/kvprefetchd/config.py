@@ -91,8 +91,10 @@ class Config:
     max_open_files: int = 1024
     queue_limit: int = 8192  # files outstanding per worker before new ones are dropped
     # Workers yield the CPU to the supervisor (acks) and to the router beside them;
-    # their work is I/O-bound and waits on the disk, not on the scheduler.
-    worker_nice: int = 5
+    # their work is I/O-bound and waits on the disk, not on the scheduler. At 5, a
+    # 1,000-path ack waited behind busy workers: p99 10-12x the echo floor on 2 vCPUs
+    # (bench/ack_latency.py --modes busy); at 10, 2.2-3.2x.
+    worker_nice: int = 10
     dedup_ttl_ms: int = 1000
     dedup_entries: int = 65536
     dedup_bytes: int = 16 * MIB  # of remembered path keys per worker
