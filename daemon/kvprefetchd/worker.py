@@ -99,6 +99,47 @@ def roots_of(message: Warm) -> array[int]:
     return indexes
 
 
+class Files:
+    """Some files of a Warm message, by their indexes in it. Names are decoded from the
+    message once, when needed; the probe reads the message's own buffers while the files
+    are all of it, and buffers made for the subset otherwise."""
+
+    __slots__ = ("_names", "count", "indexes", "message", "root_of", "whole")
+
+    def __init__(self, message: Warm, root_of: array[int], indexes: Sequence[int],
+                 names: list[bytes] | None, whole: bool) -> None:
+        self.message = message
+        self.root_of = root_of  # every file of the message
+        self.indexes = indexes
+        self.count = len(indexes)
+        self._names = names
+        self.whole = whole
+
+    @classmethod
+    def of(cls, message: Warm) -> Files:
+        root_of = roots_of(message)
+        return cls(message, root_of, range(len(root_of)), None, True)
+
+    def all_names(self) -> list[bytes]:
+        """Every name of the message, by index."""
+        if self._names is None:
+            self._names = self.message.paths.split(b"\0")
+        return self._names
+
+    def buffers(self) -> tuple[bytes, bytes]:
+        """(root indexes, NUL-ended names) of these files, as the probe reads them."""
+        if self.whole:
+            return self.message.roots, self.message.paths
+        names, root_of = self.all_names(), self.root_of
+        return (array("H", [root_of[i] for i in self.indexes]).tobytes(),
+                b"".join(names[i] + b"\0" for i in self.indexes))
+
+    def subset(self, indexes: list[int]) -> Files:
+        if len(indexes) == self.count:
+            return self
+        return Files(self.message, self.root_of, indexes, self._names, False)
+
+
 class Tally:
     """Files of one share settled alike (read or resident): a count, the bytes read, and
     their indexes, which the books keep should this worker die with the rest out."""
@@ -228,83 +269,85 @@ class Worker:
         if message.warm_mode in INSPECT_MODES:
             self.inspect(message)
             return
-        count = len(message.roots) // 2
-        if count == 0:
+        files = Files.of(message)
+        if files.count == 0:
             return
         received = time.monotonic()
-        read_bytes, deadline, share = message.read_bytes, message.deadline, message.share
-        roots, paths = message.roots, message.paths
-        names: list[bytes] | None = None
-        indexes: Sequence[int] = range(count)
         if self.recent.enabled:
-            names = paths.split(b"\0")
-            root_of = array("H", roots)
-            indexes = []
-            for index in range(count):
-                if self.recent.covers((root_of[index], names[index]), read_bytes):
-                    self.counters["dedup_recent"] += 1
-                    self.outcome(ticket_of(share, index) if share else 0, "resident", 0)
-                    self.latency.observe(0.0)
-                else:
-                    indexes.append(index)
-            if not indexes:
+            files = self.recall(message, files)
+            if files.count == 0:
                 return
-            if len(indexes) < count:  # the probe gets what the memory did not answer
-                roots = array("H", [root_of[i] for i in indexes]).tobytes()
-                paths = b"\0".join([names[i] for i in indexes]) + b"\0"
-        if 0.0 < deadline < received:  # late already: no file of it is read
-            for index in indexes:
-                self.outcome(ticket_of(share, index) if share else 0, "expired", 0)
+        if 0.0 < message.deadline < received:  # late already: no file of it is read
+            for index in files.indexes:
+                self.outcome(ticket_of(message.share, index) if message.share else 0,
+                             "expired", 0)
             return
         if self.prober.useful and message.warm_mode in WARM_MODES:
-            resident, missing, rest = self.prober.probe(roots, paths, len(indexes),
-                                                        read_bytes)
-            if resident:
-                self.settle_resident(share, indexes, resident, names, roots_of(message),
-                                     read_bytes)
-            if missing:
-                self.latency.observe_many(0.0, len(missing))
-                self.counters["probed_missing"] += len(missing)
-                if share:
-                    for position in missing:
-                        index = indexes[position]
-                        self.outcomes.append([ticket_of(share, index), "missing", 0,
-                                              errno.ENOENT])
-                else:
-                    self.anonymous["missing"] += len(missing)
-            if not rest:
+            files = self.probe(message, files)
+            if files.count == 0:
                 return
-            indexes = [indexes[i] for i in rest] if isinstance(indexes, list) else rest
-        if names is None:
-            names = message.paths.split(b"\0")
-        self.queue_up(message, share, indexes, names, roots_of(message), received)
+        self.queue_up(message, files, received)
 
-    def settle_resident(self, share: int, indexes: Sequence[int], found: bytes,
-                        names: list[bytes] | None, root_of: array[int], read_bytes: int) -> None:
+    def recall(self, message: Warm, files: Files) -> Files:
+        """Answer what the memory of recent reads covers; the files it does not."""
+        share, read_bytes = message.share, message.read_bytes
+        names, root_of = files.all_names(), files.root_of
+        left: list[int] = []
+        for index in files.indexes:
+            if self.recent.covers((root_of[index], names[index]), read_bytes):
+                self.counters["dedup_recent"] += 1
+                self.outcome(ticket_of(share, index) if share else 0, "resident", 0)
+                self.latency.observe(0.0)
+            else:
+                left.append(index)
+        return files.subset(left)
+
+    def probe(self, message: Warm, files: Files) -> Files:
+        """Settle what the probe finds resident or missing; the files it leaves."""
+        share = message.share
+        roots, paths = files.buffers()
+        resident, missing, rest = self.prober.probe(roots, paths, files.count,
+                                                    message.read_bytes)
+        if resident:
+            self.settle_resident(share, files, resident, message.read_bytes)
+        if missing:
+            self.latency.observe_many(0.0, len(missing))
+            self.counters["probed_missing"] += len(missing)
+            if share:
+                for position in missing:
+                    self.outcomes.append([ticket_of(share, files.indexes[position]), "missing",
+                                          0, errno.ENOENT])
+            else:
+                self.anonymous["missing"] += len(missing)
+        return files.subset([files.indexes[position] for position in rest])
+
+    def settle_resident(self, share: int, files: Files, found: bytes, read_bytes: int) -> None:
         """Files the probe found warm: one tally per share, remembered when dedup is on.
-        `found` indexes `indexes` (uint32, native order)."""
+        `found` holds positions in `files` (uint32, native order)."""
         positions = array("I")
         positions.frombytes(found)
-        if isinstance(indexes, list):
-            positions = array("I", [indexes[i] for i in positions])
+        if not files.whole:
+            positions = array("I", [files.indexes[i] for i in positions])
         self.counters["probed_resident"] += len(positions)
         self.latency.observe_many(0.0, len(positions))
         if share:
             self.tally(share, "resident").add(positions, 0)
         else:
             self.anonymous["resident"] += len(positions)
-        if self.recent.enabled and names is not None:
+        if self.recent.enabled:
+            names, root_of = files.all_names(), files.root_of
             for index in positions:
                 self.recent.remember((root_of[index], names[index]), read_bytes)
 
-    def queue_up(self, message: Warm, share: int, indexes: Sequence[int], names: list[bytes],
-                 root_of: array[int], received: float) -> None:
+    def queue_up(self, message: Warm, files: Files, received: float) -> None:
         """Files the engines must decide: joined to one already out, or queued."""
         read_bytes, deadline, flags = message.read_bytes, message.deadline, message.flags
+        share = message.share
         queue = self.pending.get(message.warm_mode)
         if queue is None:
             queue = self.pending[message.warm_mode] = deque()
-        for index in indexes:
+        names, root_of = files.all_names(), files.root_of
+        for index in files.indexes:
             ticket = ticket_of(share, index) if share else 0
             root_index, relative = root_of[index], names[index]
             key: Key = (root_index, relative)

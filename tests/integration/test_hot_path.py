@@ -58,17 +58,20 @@ def test_warm_and_missing_files_are_answered_by_the_probe_alike(tmp_path: Path,
         resident, missing = probed(daemon)
     finally:
         daemon.stop()
-    assert first["outcomes"]["read"] == len(cold)
-    assert first["outcomes"]["resident"] == len(hot)
+    # The host's reclaimer may take a few warm heads before the daemon looks: those are
+    # read, never lost (a ~1% late eviction is tolerated, as everywhere here).
+    assert first["outcomes"]["read"] + first["outcomes"]["resident"] == len(hot) + len(cold)
+    assert first["outcomes"]["read"] >= len(cold)
+    assert first["outcomes"]["resident"] >= 0.97 * len(hot), first["outcomes"]
     assert first["outcomes"]["missing"] == len(absent)
-    assert second["outcomes"]["resident"] == len(hot)
+    assert second["outcomes"]["read"] + second["outcomes"]["resident"] == len(hot)
     assert second["outcomes"]["missing"] == len(absent)
     # Named and explained as the engines name them, whoever settled them.
     for reply in (first, second):
         assert sorted(f["path"] for f in reply["failures"]) == sorted(absent)
         assert {(f["outcome"], f["reason"]) for f in reply["failures"]} == {
             ("missing", "ENOENT")}
-    assert resident >= 2 * len(hot)  # some heads may be reclaimed and read: never fewer
+    assert resident >= 0.97 * 3 * len(hot)  # all three times, but for a reclaimed head
     assert missing >= 2 * len(absent)
 
 
