@@ -72,7 +72,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default="busy,idle", help="busy, idle or both (see above)")
     parser.add_argument("--idle-gap", type=float, default=0.002,
                         help="idle mode: seconds of pause before each request")
-    parser.add_argument("--worker-sched", choices=("default", "batch", "nice10"),
+    parser.add_argument("--worker-sched", choices=("default", "batch", "nice10", "nice19"),
                         default="default",
                         help="experiment: scheduling policy forced on the daemon's workers")
     parser.add_argument("--engine", default="io_uring")

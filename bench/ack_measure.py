@@ -82,12 +82,15 @@ def drain(daemon: EngineDaemon, limit: float = 120.0) -> float:
 def apply_worker_sched(daemon: EngineDaemon, policy: str) -> None:
     """An experiment, not a daemon setting: how much of the ack's cost is the workers
     preempting the supervisor? SCHED_BATCH tasks never preempt on wake-up (sched(7));
-    nice 10 gives them a smaller CPU share."""
+    nice 10 or 19 gives them a smaller CPU share (their threads keep the niceness they
+    were created with: only threads made after the change get it)."""
     for pid in daemon.worker_pids:
         if policy == "batch":
             os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
         elif policy == "nice10":
             os.setpriority(os.PRIO_PROCESS, pid, 10)
+        elif policy == "nice19":
+            os.setpriority(os.PRIO_PROCESS, pid, 19)
 
 
 @dataclass

@@ -125,4 +125,4 @@ def test_workers_that_may_not_renice_serve_and_say_so_once(tmp_path: Path) -> No
         connection.close()
         assert stats["worker_restarts"] == 0 and all(w["ready"] for w in stats["workers"])
     text = started.log()
-    assert text.count("cannot renice workers by 10: Function not implemented") == 1, text
+    assert text.count("cannot renice workers by 19: Function not implemented") == 1, text
