@@ -63,15 +63,6 @@ def cdef_source(header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-_ZLIB_TEST = r"""
-#include <zlib.h>
-int main(void)
-{
-    return (int)crc32(0L, (const Bytef *)"", 0);
-}
-"""
-
-
 def links(program: str, library: str, header: str) -> bool:
     """Whether a tiny program using `library` compiles and links here."""
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
@@ -112,14 +103,6 @@ if not _URING and os.environ.get("KVP_NO_LIBURING", "") in ("", "0"):
     sys.stderr.write("\n" + "!" * 78 + "\n" + _NO_URING + "\n" + "!" * 78 + "\n\n")
     warnings.warn(_NO_URING, stacklevel=1)
 
-# zlib (zlib1g-dev): the supervisor's native admission shards by its crc32, as the Python
-# gate does with the zlib module. Without it kvp_admit says ENOSYS and the Python gate
-# admits every request (slower, the same answers).
-_ZLIB = links(_ZLIB_TEST, "z", "zlib.h")
-if not _ZLIB:
-    sys.stderr.write("kvprefetchd: zlib.h not found (zlib1g-dev): the supervisor admits paths "
-                     "in Python, without its native fast path\n")
-
 ffibuilder = FFI()
 ffibuilder.cdef(cdef_source(_HEADER))
 ffibuilder.set_source(
@@ -128,9 +111,8 @@ ffibuilder.set_source(
     sources=sorted(glob.glob(os.path.join(_NATIVE, "*.c"))),
     include_dirs=[_NATIVE],
     depends=sorted(glob.glob(os.path.join(_NATIVE, "*.h"))),
-    define_macros=([("KVP_HAVE_LIBURING", "1")] if _URING else [])
-    + ([("KVP_HAVE_ZLIB", "1")] if _ZLIB else []),
-    libraries=(["uring"] if _URING else []) + (["z"] if _ZLIB else []) + ["pthread", "m"],
+    define_macros=[("KVP_HAVE_LIBURING", "1")] if _URING else [],
+    libraries=(["uring"] if _URING else []) + ["pthread", "m"],
     extra_compile_args=["-O2"],
 )
 

@@ -254,6 +254,10 @@ struct kvp_admission *kvp_admission_new(const char *prefixes, const uint16_t *in
                                         uint32_t nroots, uint32_t max_path_bytes,
                                         uint32_t workers);
 void kvp_admission_free(struct kvp_admission *a);
+/* The worker (of workers) that owns the relative name rel (len bytes) under
+ * root: stable across processes, the same for every spelling admission makes
+ * canonical.  Python's gate (admit.shard_of) calls it too. */
+uint32_t kvp_shard(uint32_t root, const char *rel, size_t len, uint32_t workers);
 /* room[w]: files worker w may still take (decremented as they are admitted).
  * Returns the files admitted, -EINVAL when blob does not hold n names (a NUL
  * inside one), -ENOMEM. */

@@ -9,14 +9,13 @@ was admitted.
 Each worker's part leaves as a `Share`: two buffers (root indexes, NUL-ended names),
 which is what its channel message carries, so no Python object is made per path on the
 way. The `Admitter` does a request of plain str paths in one native call
-(native/admit.c); any other request (bin paths, non-path values, a NUL inside a name, a
-build without zlib) goes through `admit`, the Python gate, which is the reference the
-native one is tested against.
+(native/admit.c); any other request (bin paths, non-path values, a NUL inside a name)
+goes through `admit`, the Python gate, which is the reference the native one is tested
+against.
 """
 
 from __future__ import annotations
 
-import zlib
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +23,14 @@ from typing import Any
 from kvprefetchd.confine import Roots
 from kvprefetchd.native import load_native
 
+_shard = load_native().lib.kvp_shard
+
 
 def shard_of(root_index: int, relative: bytes, workers: int) -> int:
-    """The worker that owns a path: crc32 is stable across processes and restarts (unlike
-    Python's salted hash()) and costs well under a microsecond for a path."""
-    return zlib.crc32(relative, root_index) % workers
+    """The worker that owns a path (native/admit.c's kvp_shard): stable across processes
+    and restarts, unlike Python's salted hash(), so each worker's memory of recent reads
+    sees every request for its files."""
+    return int(_shard(root_index, relative, len(relative), workers))
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,7 +95,7 @@ def admit(paths: list[Any], roots: Roots, room: list[int]) -> Admission:
             refused.append((path, placed))
             continue
         root_index, relative = placed
-        index = zlib.crc32(relative, root_index) % workers  # shard_of, inlined
+        index = shard_of(root_index, relative, workers)
         if left[index] <= 0:
             dropped_paths.append(path)
             continue
@@ -142,7 +144,7 @@ class Admitter:
         accepted = lib.kvp_admit(self._admission, blob, len(blob), len(paths), left,
                                  ffi.from_buffer(status))
         if accepted < 0:
-            return admit(paths, self.roots, room)  # a NUL inside a name; no zlib; no memory
+            return admit(paths, self.roots, room)  # a NUL inside a name; out of memory
         self.native_requests += 1
         shares: list[Share | None] = []
         for worker in range(len(room)):

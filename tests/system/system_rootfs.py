@@ -38,7 +38,7 @@ VARIANT = "minbase"
 # for `ps` when a run must be debugged from inside.
 PACKAGES = (
     "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3-pip", "python3-dev",
-    "gcc", "liburing-dev", "zlib1g-dev", "libc6-dev", "libffi-dev", "procps",
+    "gcc", "liburing-dev", "libc6-dev", "libffi-dev", "procps",
     # the .deb's dependencies (debian/control), so `apt-get install ./….deb` needs no network
     "python3-msgpack", "python3-cffi-backend", "python3-psutil", "python3-setproctitle",
     "python3-cbor2", "python3-prometheus-client", "liburing2",
