@@ -12,7 +12,8 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from kvprefetchd.protocol import encode_frame, error_reply
 
@@ -23,6 +24,45 @@ log = logging.getLogger("kvprefetchd.server")  # the socket's own messages, as b
 # tried again would spin (measured: 70% of a CPU and 80,000 log lines in 2 s).
 # The listener is taken out of the selector for this long instead.
 ACCEPT_REST = 0.5
+
+
+class AcceptRest:
+    """A listener out of fds: it leaves the selector for ACCEPT_REST s at a time instead of
+    spinning (its connections wait in the backlog until a connection closes or the limit
+    is raised). Each episode is logged once when it starts and once when accepting works
+    again, never once per rest. The listener unregisters itself and calls `begin`; its
+    loop calls `over` on each tick and registers again when it says so."""
+
+    def __init__(self, what: str, logger: logging.Logger,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self.log = logger
+        self.clock = clock
+        self.until: float | None = None  # resting (not watched) until then
+        self.since: float | None = None  # out of fds since then: the episode
+
+    def begin(self, error: OSError) -> None:
+        now = self.clock()
+        self.until = now + ACCEPT_REST
+        if self.since is None:
+            self.since = now
+            self.log.warning("%s: cannot accept connections: %s; they wait in the backlog "
+                             "(pausing accept %.1f s at a time)", self.what, error.strerror,
+                             ACCEPT_REST)
+
+    def over(self, now: float) -> bool:
+        """True once, when a rest ends: the listener goes back in the selector."""
+        if self.until is not None and now >= self.until:
+            self.until = None
+            return True
+        return False
+
+    def accepted(self) -> None:
+        """An accept worked: the episode, if any, is over."""
+        if self.since is not None:
+            self.log.warning("%s: accepting connections again after %.1f s out of file "
+                             "descriptors", self.what, self.clock() - self.since)
+            self.since = None
 
 
 class SocketInUse(RuntimeError):

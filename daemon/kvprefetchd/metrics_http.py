@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from kvprefetchd.config import MetricsAddress, parse_metrics_address
 from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
-from kvprefetchd.listening import ACCEPT_REST, accept_ready, listen_unix, out_of_fds
+from kvprefetchd.listening import AcceptRest, accept_ready, listen_unix, out_of_fds
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -102,8 +102,7 @@ class MetricsServer:
         self.selector: selectors.BaseSelector | None = None
         self.clients: dict[int, _Client] = {}
         self.counts = {"served": 0, "not_found": 0, "bad": 0, "refused": 0, "expired": 0}
-        self.resting_until: float | None = None  # out of fds: the listener is not watched
-        self.out_of_fds = False  # logged once per episode, not once per rest
+        self.resting = AcceptRest("metrics", log, clock)  # out of fds: listener not watched
 
     @classmethod
     def open(
@@ -133,8 +132,8 @@ class MetricsServer:
     def next_timeout(self, now: float) -> float | None:
         """Seconds until the earliest client deadline or the end of a rest (None: neither)."""
         dues = [c.deadline for c in self.clients.values()]
-        if self.resting_until is not None:
-            dues.append(self.resting_until)
+        if self.resting.until is not None:
+            dues.append(self.resting.until)
         return max(0.0, min(dues) - now) if dues else None
 
     def expire(self, now: float) -> int:
@@ -142,11 +141,9 @@ class MetricsServer:
 
         Also puts a resting listener (see _accept) back in the selector once its rest is over.
         """
-        if self.resting_until is not None and now >= self.resting_until:
-            self.resting_until = None
-            if self.selector is not None:
-                self.selector.register(self.listener, selectors.EVENT_READ,
-                                       self.on_listener_event)
+        if self.resting.over(now) and self.selector is not None:
+            self.selector.register(self.listener, selectors.EVENT_READ,
+                                   self.on_listener_event)
         late = [c for c in self.clients.values() if c.deadline <= now]
         for client in late:
             if client.state != _DRAINING:
@@ -174,16 +171,11 @@ class MetricsServer:
         except OSError as error:
             if not out_of_fds(error) or self.selector is None:
                 raise
-            # Rest instead of spinning on a listener that stays readable (server.ACCEPT_REST).
-            if not self.out_of_fds:
-                self.out_of_fds = True
-                log.warning("metrics: cannot accept connections: %s; pausing accept %.1f s",
-                            error.strerror, ACCEPT_REST)
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(self.listener)
-            self.resting_until = self.clock() + ACCEPT_REST
+            self.resting.begin(error)
             return
-        self.out_of_fds = False
+        self.resting.accepted()
 
     def _accept_ready(self) -> None:
         for sock in accept_ready(self.listener, "metrics"):

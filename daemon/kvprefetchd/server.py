@@ -30,7 +30,7 @@ from collections.abc import Callable
 from kvprefetchd import systemd
 from kvprefetchd.config import Config
 from kvprefetchd.connection import Connection, InputPool
-from kvprefetchd.listening import ACCEPT_REST, accept_ready, listen_unix, out_of_fds, refuse
+from kvprefetchd.listening import AcceptRest, accept_ready, listen_unix, out_of_fds, refuse
 from kvprefetchd.peers import PRIVILEGED_RESERVE, Peer, PeerPolicy, Seats, peer_of
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, TOO_LARGE, error_reply
 from kvprefetchd.tcp import TcpListener
@@ -69,8 +69,7 @@ class Server:
         self.seats = Seats()  # open connections by peer uid
         self.input_pool = InputPool(config.max_input_buffer_bytes, events)
         self.peer_policy: PeerPolicy | None = None  # made once the socket exists
-        self.resting_until: float | None = None  # out of fds: not accepting
-        self.out_of_fds_since: float | None = None
+        self.resting = AcceptRest("requests", log)  # out of fds: not accepting for a while
         self.next_sweep = time.monotonic() + SWEEP_SECONDS
         self.tcp: TcpListener | None = None  # listen_tcp: routers on other hosts
 
@@ -114,33 +113,17 @@ class Server:
         except OSError as error:
             if not out_of_fds(error):
                 raise
-            self.rest(error)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+            self.resting.begin(error)
+            self.events["accept_paused"] += 1
             return
-        if self.out_of_fds_since is not None:
-            log.warning("accepting connections again after %.1f s out of file descriptors",
-                        time.monotonic() - self.out_of_fds_since)
-            self.out_of_fds_since = None
-
-    def rest(self, error: OSError) -> None:
-        """Out of fds: stop watching the listener for ACCEPT_REST s instead of spinning on it.
-
-        Connections wait in the listen backlog until a connection closes or the
-        limit is raised. Logged once per episode; counted as accept_paused.
-        """
-        assert self.listener is not None
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(self.listener)
-        self.resting_until = time.monotonic() + ACCEPT_REST
-        self.events["accept_paused"] += 1
-        if self.out_of_fds_since is None:
-            self.out_of_fds_since = time.monotonic()
-            log.warning("cannot accept connections: %s; they wait in the backlog (pausing "
-                        "accept %.1f s at a time)", error.strerror, ACCEPT_REST)
+        self.resting.accepted()
 
     def next_due(self, now: float) -> float | None:
-        dues = [] if self.resting_until is None else [self.resting_until - now]
-        if self.tcp is not None and self.tcp.resting_until is not None:
-            dues.append(self.tcp.resting_until - now)
+        dues = [] if self.resting.until is None else [self.resting.until - now]
+        if self.tcp is not None and self.tcp.resting.until is not None:
+            dues.append(self.tcp.resting.until - now)
         handshakes = self.tcp is not None and (self.tcp.handshakes or self.tcp.lingering)
         if ((self.connections and (self.config.idle_timeout or self.config.frame_timeout))
                 or handshakes):
@@ -148,10 +131,8 @@ class Server:
         return max(0.0, min(dues)) if dues else None
 
     def tick(self, now: float) -> None:
-        if self.resting_until is not None and now >= self.resting_until:
-            self.resting_until = None
-            if self.listener is not None:
-                self.start_accepting()
+        if self.resting.over(now) and self.listener is not None:
+            self.start_accepting()
         if now >= self.next_sweep:
             self.next_sweep = now + SWEEP_SECONDS
             self.sweep(now)

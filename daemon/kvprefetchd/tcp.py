@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvprefetchd.config import Config, split_host_port
-from kvprefetchd.listening import ACCEPT_REST, accept_ready, out_of_fds, refuse
+from kvprefetchd.listening import AcceptRest, accept_ready, out_of_fds, refuse
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, encode_frame, error_reply
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class TcpListener:
     # would send one, and the reset discards what the peer had not read yet).
     lingering: dict[int, tuple[socket.socket, float, str]] = field(default_factory=dict)
     accepting: bool = False
-    resting_until: float | None = None  # out of fds: not accepting for a while
+    resting: AcceptRest = field(default_factory=lambda: AcceptRest("tcp", log))
 
     def listen(self) -> None:
         """Bind and load the TLS files; any failure stops the daemon at start."""
@@ -132,8 +132,7 @@ class TcpListener:
         self.accepting = True
 
     def tick(self, now: float) -> None:
-        if self.resting_until is not None and now >= self.resting_until:
-            self.resting_until = None
+        if self.resting.over(now):
             self.start_accepting()
 
     def on_listener_event(self, _events: int) -> None:
@@ -142,13 +141,13 @@ class TcpListener:
         except OSError as error:
             if not out_of_fds(error):
                 raise
-            # As the Unix listener does (server.Server.rest): rest rather than spin
-            # (ACCEPT_REST, listening.py).
             assert self.sock is not None
             self.selector.unregister(self.sock)
             self.accepting = False
-            self.resting_until = time.monotonic() + ACCEPT_REST
+            self.resting.begin(error)
             self.events["accept_paused"] += 1
+            return
+        self.resting.accepted()
 
     def accept(self) -> None:
         assert self.sock is not None

@@ -422,11 +422,11 @@ def test_out_of_fds_the_listener_rests_instead_of_spinning(
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert server.listener not in watched and not server.clients
-    assert server.resting_until == clock.now + ACCEPT_REST
+    assert server.resting.until == clock.now + ACCEPT_REST
     assert server.next_timeout(clock.now) == ACCEPT_REST
     assert [r.getMessage() for r in caplog.records].count(
-        f"metrics: cannot accept connections: Too many open files; pausing accept {ACCEPT_REST}"
-        " s"
+        "metrics: cannot accept connections: Too many open files; they wait in the backlog "
+        f"(pausing accept {ACCEPT_REST:.1f} s at a time)"
     ) == 1
     clock.now += ACCEPT_REST
     received = bytearray()
@@ -440,5 +440,5 @@ def test_out_of_fds_the_listener_rests_instead_of_spinning(
             return False
 
     tcp_loop.pump_until(answered)
-    assert split(bytes(received))[0] == 200 and server.resting_until is None
+    assert split(bytes(received))[0] == 200 and server.resting.until is None
     client.close()
