@@ -19,7 +19,7 @@ import sys
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -45,6 +45,7 @@ from kvprefetchd.faults import WORKER_BOOT_FAILS, BatchFaults, injected
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.native import load_native
 from kvprefetchd.probe import Prober
+from kvprefetchd.worker_files import Files, Tally, roots_of
 
 log = logging.getLogger("kvprefetchd.worker")
 
@@ -91,75 +92,6 @@ class WorkerPlan:
 INSPECT_AT_ONCE = 1024  # files per kvp_inspect call: one cffi array, bounded
 WARM_MODES = ("read", "advise")
 
-
-def roots_of(message: Warm) -> array[int]:
-    """Each file's root index, from the message's buffer."""
-    indexes = array("H")
-    indexes.frombytes(message.roots)
-    return indexes
-
-
-class Files:
-    """Some files of a Warm message, by their indexes in it. Names are decoded from the
-    message once, when needed; the probe reads the message's own buffers while the files
-    are all of it, and buffers made for the subset otherwise."""
-
-    __slots__ = ("_names", "count", "indexes", "message", "root_of", "whole")
-
-    def __init__(self, message: Warm, root_of: array[int], indexes: Sequence[int],
-                 names: list[bytes] | None, whole: bool) -> None:
-        self.message = message
-        self.root_of = root_of  # every file of the message
-        self.indexes = indexes
-        self.count = len(indexes)
-        self._names = names
-        self.whole = whole
-
-    @classmethod
-    def of(cls, message: Warm) -> Files:
-        root_of = roots_of(message)
-        return cls(message, root_of, range(len(root_of)), None, True)
-
-    def all_names(self) -> list[bytes]:
-        """Every name of the message, by index."""
-        if self._names is None:
-            self._names = self.message.paths.split(b"\0")
-        return self._names
-
-    def buffers(self) -> tuple[bytes, bytes]:
-        """(root indexes, NUL-ended names) of these files, as the probe reads them."""
-        if self.whole:
-            return self.message.roots, self.message.paths
-        names, root_of = self.all_names(), self.root_of
-        return (array("H", [root_of[i] for i in self.indexes]).tobytes(),
-                b"".join(names[i] + b"\0" for i in self.indexes))
-
-    def subset(self, indexes: list[int]) -> Files:
-        if len(indexes) == self.count:
-            return self
-        return Files(self.message, self.root_of, indexes, self._names, False)
-
-
-class Tally:
-    """Files of one share settled alike (read or resident): a count, the bytes read, and
-    their indexes, which the books keep should this worker die with the rest out."""
-
-    __slots__ = ("count", "indexes", "nbytes")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.nbytes = 0
-        self.indexes = array("I")
-
-    def add_one(self, index: int, nbytes: int) -> None:
-        self.count += 1
-        self.nbytes += nbytes
-        self.indexes.append(index)
-
-    def add(self, indexes: array[int], nbytes: int) -> None:
-        self.count += len(indexes)
-        self.nbytes += nbytes
-        self.indexes.extend(indexes)
 
 # mallopt(3) parameter numbers, from glibc's <malloc.h>.
 M_MMAP_THRESHOLD = -3
