@@ -33,6 +33,13 @@ def shard_of(root_index: int, relative: bytes, workers: int) -> int:
     return int(_shard(root_index, relative, len(relative), workers))
 
 
+def root_indexes(buffer: bytes) -> array[int]:
+    """A share's root indexes (uint16, native order), decoded."""
+    indexes = array("H")
+    indexes.frombytes(buffer)
+    return indexes
+
+
 @dataclass(slots=True, frozen=True)
 class Share:
     """A worker's part of a request: per file its root index (uint16, native order) and
@@ -40,20 +47,20 @@ class Share:
 
     roots: bytes
     paths: bytes
-    count: int
+
+    @property
+    def count(self) -> int:
+        return len(self.roots) // 2
 
     def names(self) -> list[bytes]:
         return self.paths.split(b"\0")[:-1]
 
     def root_indexes(self) -> array[int]:
-        indexes = array("H")
-        indexes.frombytes(self.roots)
-        return indexes
+        return root_indexes(self.roots)
 
     @classmethod
     def of(cls, roots: list[int], names: list[bytes]) -> Share:
-        return cls(array("H", roots).tobytes(), b"\0".join(names) + b"\0" if names else b"",
-                   len(names))
+        return cls(array("H", roots).tobytes(), b"".join(name + b"\0" for name in names))
 
 
 @dataclass(slots=True)
@@ -113,7 +120,6 @@ class Admitter:
 
     def __init__(self, roots: Roots, workers: int) -> None:
         self.roots = roots
-        self.workers = workers
         self._native = load_native()
         ffi, lib = self._native.ffi, self._native.lib
         prefixes = roots.prefixes()
@@ -151,7 +157,7 @@ class Admitter:
             count = lib.kvp_admission_share(self._admission, worker, self._paths,
                                             self._paths_len, self._share_roots)
             shares.append(Share(ffi.buffer(self._share_roots[0], 2 * count)[:],
-                                ffi.buffer(self._paths[0], self._paths_len[0])[:], count)
+                                ffi.buffer(self._paths[0], self._paths_len[0])[:])
                           if count else None)
         admission = Admission(shares, accepted, room=room_left(list(left)))
         if accepted < len(paths):

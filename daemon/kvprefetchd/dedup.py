@@ -41,7 +41,7 @@ class RecentlyWarmed:
         return self._capacity > 0 and self._ttl > 0
 
     def remember(self, key: Key, read_bytes: int) -> None:
-        if self._capacity <= 0 or self._ttl <= 0:
+        if not self.enabled:
             return
         if key not in self._entries:
             self.bytes += len(key[1]) + ENTRY_OVERHEAD_BYTES

@@ -19,7 +19,7 @@ import sys
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -210,9 +210,7 @@ class Worker:
             if files.count == 0:
                 return
         if 0.0 < message.deadline < received:  # late already: no file of it is read
-            for index in files.indexes:
-                self.outcome(ticket_of(message.share, index) if message.share else 0,
-                             "expired", 0)
+            self.outcomes_of(message.share, files.indexes, "expired")
             return
         if self.prober.useful and message.warm_mode in WARM_MODES:
             files = self.probe(message, files)
@@ -245,12 +243,8 @@ class Worker:
         if missing:
             self.latency.observe_many(0.0, len(missing))
             self.counters["probed_missing"] += len(missing)
-            if share:
-                for position in missing:
-                    self.outcomes.append([ticket_of(share, files.indexes[position]), "missing",
-                                          0, errno.ENOENT])
-            else:
-                self.anonymous["missing"] += len(missing)
+            self.outcomes_of(share, [files.indexes[position] for position in missing],
+                             "missing", errno.ENOENT)
         return files.subset([files.indexes[position] for position in rest])
 
     def settle_resident(self, share: int, files: Files, found: bytes, read_bytes: int) -> None:
@@ -262,10 +256,7 @@ class Worker:
             positions = array("I", [files.indexes[i] for i in positions])
         self.counters["probed_resident"] += len(positions)
         self.latency.observe_many(0.0, len(positions))
-        if share:
-            self.tally(share, "resident").add(positions, 0)
-        else:
-            self.anonymous["resident"] += len(positions)
+        self.outcomes_of(share, positions, "resident")
         if self.recent.enabled:
             names, root_of = files.all_names(), files.root_of
             for index in positions:
@@ -401,6 +392,19 @@ class Worker:
                 ticket & TICKET_INDEX_MASK, nbytes)
         else:
             self.outcomes.append([ticket, outcome, nbytes, error])
+
+    def outcomes_of(self, share: int, indexes: Sequence[int], outcome: str,
+                    error: int = 0) -> None:
+        """`outcome` for these files of one message, as `outcome` says it of each file, in
+        one step: a count (fire and forget), the share's tally, or by ticket. Nothing was
+        read of them (no bytes)."""
+        if not share:
+            self.anonymous[outcome] += len(indexes)
+        elif outcome == "read" or outcome == "resident":
+            self.tally(share, outcome).add(indexes)
+        else:
+            self.outcomes.extend([ticket_of(share, index), outcome, 0, error]
+                                 for index in indexes)
 
     def tally(self, share: int, outcome: str) -> Tally:
         tally = self.tallies.get((share, outcome))

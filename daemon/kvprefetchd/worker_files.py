@@ -11,14 +11,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from kvprefetchd.admit import Share, root_indexes
 from kvprefetchd.channel import Warm
 
 
 def roots_of(message: Warm) -> array[int]:
     """Each file's root index, from the message's buffer."""
-    indexes = array("H")
-    indexes.frombytes(message.roots)
-    return indexes
+    return root_indexes(message.roots)
 
 
 class Files:
@@ -53,8 +52,8 @@ class Files:
         if self.whole:
             return self.message.roots, self.message.paths
         names, root_of = self.all_names(), self.root_of
-        return (array("H", [root_of[i] for i in self.indexes]).tobytes(),
-                b"".join(names[i] + b"\0" for i in self.indexes))
+        share = Share.of([root_of[i] for i in self.indexes], [names[i] for i in self.indexes])
+        return share.roots, share.paths
 
     def subset(self, indexes: list[int]) -> Files:
         if len(indexes) == self.count:
@@ -78,7 +77,7 @@ class Tally:
         self.nbytes += nbytes
         self.indexes.append(index)
 
-    def add(self, indexes: array[int], nbytes: int) -> None:
+    def add(self, indexes: Sequence[int]) -> None:
+        """Files that were found warm: nothing read."""
         self.count += len(indexes)
-        self.nbytes += nbytes
         self.indexes.extend(indexes)
