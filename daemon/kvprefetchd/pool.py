@@ -43,7 +43,8 @@ from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.rootset import RootSet, RootState
 from kvprefetchd.stuck import Stuck
-from kvprefetchd.worker import EXIT_BOOT_FAILED, WorkerPlan, worker_main
+from kvprefetchd.worker import WorkerPlan
+from kvprefetchd.worker_process import EXIT_BOOT_FAILED, worker_main
 
 log = logging.getLogger("kvprefetchd")
 
