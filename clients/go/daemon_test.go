@@ -527,6 +527,32 @@ func TestAPastDeadlineReadsNothingAndAContextDeadlineRidesAlong(t *testing.T) {
 	}
 }
 
+// The daemon refuses a deadline or timeout beyond a day (docs/protocol.md, "Numeric
+// fields"); the client sends a far context deadline, a year-old one or a week's Timeout
+// within that range, and the request is served.
+func TestFarDeadlinesAreSentWithinTheDaemonsRange(t *testing.T) {
+	d := sharedDaemon(t)
+	c := newClient(t, d.Socket, kvprefetch.Options{})
+	path := d.MakeFile(t, "far/a.bin", 4096)
+	far, cancel := context.WithDeadline(context.Background(), time.Now().Add(365*24*time.Hour))
+	defer cancel()
+	reply, err := c.Prefetch(far, []string{path}, kvprefetch.PrefetchOptions{Wait: true})
+	if err != nil || reply.Failures != nil {
+		t.Fatalf("a year's context deadline: %+v, %v", reply, err)
+	}
+	ctx := testwait.Within(t, 30*time.Second)
+	reply, err = c.Prefetch(ctx, []string{path}, kvprefetch.PrefetchOptions{Wait: true, Timeout: 7 * 24 * time.Hour})
+	if err != nil || reply.Failures != nil {
+		t.Fatalf("a week's Timeout: %+v, %v", reply, err)
+	}
+	// A file of its own: the two above are remembered as warm, which no deadline changes.
+	old := d.MakeFile(t, "far/b.bin", 4096)
+	reply, err = c.Prefetch(ctx, []string{old}, kvprefetch.PrefetchOptions{Wait: true, Deadline: time.Now().Add(-365 * 24 * time.Hour)})
+	if err != nil || reply.Outcomes[kvprefetch.OutcomeExpired] != 1 {
+		t.Fatalf("a deadline a year past: %+v, %v", reply, err)
+	}
+}
+
 func TestCheckAndEvict(t *testing.T) {
 	d := daemontest.Start(t, daemontest.Config{Extra: "allow_evict = true\n"})
 	c := newClient(t, d.Socket, kvprefetch.Options{})

@@ -76,8 +76,16 @@ func (o PrefetchOptions) timeoutMS(ctx context.Context) *int64 {
 	if ms < 0 {
 		ms = 0
 	}
+	if ms > maxWindowMS {
+		ms = maxWindowMS
+	}
 	return &ms
 }
+
+// maxWindowMS is the daemon's ceiling on timeout_ms and deadline_ms, and how far
+// deadline_unix_ms may lie from its clock (docs/protocol.md, "Numeric fields"): a
+// context deadline further away is sent as this, which means the same to a warm-up.
+const maxWindowMS int64 = 24 * 60 * 60 * 1000
 
 // deadline is what to send for the request's deadline: deadline_ms (ms >= 0: 0 for
 // NoDeadline, else the time left before Deadline or the context's deadline, rounded up),
@@ -97,9 +105,17 @@ func (o PrefetchOptions) deadline(ctx context.Context) (ms *int64, unixMS int64)
 	}
 	left := time.Until(deadline)
 	if left <= 0 {
-		return nil, deadline.UnixMilli()
+		// Past is past: a day ago says it as well as a year ago, and stays in the range.
+		unixMS := deadline.UnixMilli()
+		if oldest := time.Now().UnixMilli() - maxWindowMS/2; unixMS < oldest {
+			unixMS = oldest
+		}
+		return nil, unixMS
 	}
 	rounded := int64((left + time.Millisecond - 1) / time.Millisecond)
+	if rounded > maxWindowMS {
+		rounded = maxWindowMS
+	}
 	return &rounded, 0
 }
 

@@ -15,7 +15,14 @@ from fake_daemon import FakeDaemon
 
 import kvprefetch
 from kvprefetch import cli
-from kvprefetch.bulk import BATCH_PATHS
+from kvprefetch.bulk import (
+    BATCH_PATHS,
+    MAX_EMPTY_RUN,
+    MAX_LINE_BYTES,
+    READ_CHUNK,
+    ListError,
+    read_paths,
+)
 
 CLIENT_SRC = Path(kvprefetch.__file__).resolve().parents[1]  # so the child imports this tree
 
@@ -198,3 +205,85 @@ def test_python_m_kvprefetch(daemon: FakeDaemon, tmp_path: Path) -> None:
     done = _python_m("--socket", str(tmp_path / "nobody.sock"), "ping")
     assert done.returncode == 3
     assert "nobody.sock" in done.stderr
+
+
+# --- lists: a line is at most PATH_MAX, read in bounded memory (issue 23, finding 9) ----------
+
+
+class Endless(io.RawIOBase):
+    """A list that never ends and has no separator (`-f /dev/zero`), counting its reads."""
+
+    def __init__(self, byte: bytes = b"x") -> None:
+        self.byte = byte
+        self.reads = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        self.reads += 1
+        return self.byte * (size if size > 0 else READ_CHUNK)
+
+
+def test_a_line_of_path_max_is_read_and_one_byte_more_stops_the_list() -> None:
+    most = b"/" + b"a" * (MAX_LINE_BYTES - 1)
+    listing = io.BytesIO(b"/kv/x\n" + most + b"\n" + most + b"b\n/kv/y\n")
+    paths = read_paths(["-"], [], nul=False, stdin=listing)
+    assert next(paths) == "/kv/x" and next(paths) == most.decode()
+    with pytest.raises(ListError, match=r"^stdin: line 3 is longer than 4096 bytes"):
+        next(paths)
+
+
+def test_an_endless_line_is_refused_after_one_chunk_not_kept() -> None:
+    endless = Endless()
+    with pytest.raises(ListError, match="line 1 is longer"):
+        list(read_paths(["-"], [], nul=False, stdin=endless))  # type: ignore[arg-type]
+    assert endless.reads == 1
+
+
+def test_nul_separated_records_are_counted_and_capped_alike(tmp_path: Path) -> None:
+    listing = tmp_path / "list0"
+    listing.write_bytes(b"/kv/a\0\0/kv/b\0/" + b"c" * 5000 + b"\0")
+    paths = read_paths([], [str(listing)], nul=True)
+    assert [next(paths), next(paths)] == ["/kv/a", "/kv/b"]
+    with pytest.raises(ListError, match=rf"^{listing}: record 4 is longer"):
+        next(paths)
+
+
+def test_a_long_path_operand_is_refused_too() -> None:
+    with pytest.raises(ListError, match="PATH operand 2"):
+        list(read_paths(["/kv/a", "/" + "x" * MAX_LINE_BYTES], [], nul=False))
+
+
+def test_a_long_line_exits_2_before_anything_is_sent(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = b"/kv/a.bin\n/" + b"x" * (17 << 20) + b"\n/kv/b.bin\n"  # 0.3.0: dropped, exit 0
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines)))
+    code, out, err = run_cli(capsys, "--socket", daemon.path, "warm", "-")
+    assert (code, out) == (cli.EXIT_USAGE, "")
+    assert "stdin: line 2 is longer than 4096 bytes (PATH_MAX)" in err
+    assert daemon.requests("prefetch") == []
+
+
+def test_a_batch_refused_early_in_a_long_list_fails_the_run(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.3.0 forgot a batch's error once its task had finished, and exited 0."""
+    lines = b"/refuse\n" + b"".join(b"/kv/%06d.bin\n" % i for i in range(30 * BATCH_PATHS))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines)))
+    code, _, err = run_cli(capsys, "--socket", daemon.path, "warm", "-")
+    assert code == cli.EXIT_FAILED and "refused on request" in err, err
+
+
+def test_endless_empty_records_are_no_list() -> None:
+    """`-0 -f /dev/zero`: only empty records, for ever; refused after MAX_EMPTY_RUN."""
+    endless = Endless(b"\0")
+    with pytest.raises(ListError, match=rf"records 1 to {MAX_EMPTY_RUN + 1} are empty"):
+        list(read_paths(["-"], [], nul=True, stdin=endless))  # type: ignore[arg-type]
+    assert endless.reads <= 2
+
+
+def test_blank_lines_crlf_ones_too_are_skipped_not_sent_as_the_cwd() -> None:
+    listing = io.BytesIO(b"/kv/a\r\n\r\n\n/kv/b\r\n")
+    assert list(read_paths(["-"], [], nul=False, stdin=listing)) == ["/kv/a", "/kv/b"]

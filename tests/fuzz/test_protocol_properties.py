@@ -20,6 +20,7 @@ for a fresh one).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,10 @@ from kvharness.wire import frame
 from kvprefetchd.confine import Roots
 from kvprefetchd.protocol import (
     BAD_REQUEST,
+    DAY_MS,
+    MAX_DEADLINE_MS,
+    MAX_FAILURES_ASKED,
+    MAX_TIMEOUT_MS,
     OPS,
     Frame,
     FrameReader,
@@ -141,6 +146,9 @@ REQUESTS = st.fixed_dictionaries(
         "wait": either(st.booleans()),
         "read_bytes": either(st.integers(-1, SMALL_LIMITS["max_read_bytes"] + 1)),
         "timeout_ms": either(st.integers(-1, 2**64 - 1)),
+        "deadline_ms": either(st.integers(-1, 2**64 - 1)),
+        "deadline_unix_ms": either(st.integers(-1, 2**64 - 1)),
+        "max_failures": either(st.integers(-1, 2**64 - 1)),
         "model": either(st.text(max_size=4)),
         "hash": either(HASH),
         "layout": either(LAYOUT),
@@ -279,7 +287,9 @@ VALID_REQUESTS = st.one_of(
     st.fixed_dictionaries({"op": st.sampled_from(["ping", "stats"])}),
     st.fixed_dictionaries(
         {"op": st.just("prefetch"), "paths": VALID_PATHS},
-        optional={"wait": st.booleans(), "timeout_ms": st.integers(0, 2**64 - 1),
+        optional={"wait": st.booleans(), "timeout_ms": st.integers(0, MAX_TIMEOUT_MS),
+                  "deadline_ms": st.integers(0, MAX_DEADLINE_MS),
+                  "max_failures": st.integers(0, MAX_FAILURES_ASKED),
                   "read_bytes": st.integers(1, SMALL_LIMITS["max_read_bytes"])}),
     st.fixed_dictionaries(
         {"op": st.just("resolve"),
@@ -459,3 +469,47 @@ def test_a_frame_cut_at_every_byte_is_answered_once() -> None:
     finally:
         target.close()
 
+
+
+# ---- numeric fields: served inside their documented range, refused naming it outside -------
+
+# docs/protocol.md, "Numeric fields": (low, high) per field, by the op that reads it.
+NUMERIC_RANGES = {
+    "read_bytes": (1, SMALL_LIMITS["max_read_bytes"]),
+    "timeout_ms": (0, MAX_TIMEOUT_MS),
+    "deadline_ms": (0, MAX_DEADLINE_MS),
+    "max_failures": (0, MAX_FAILURES_ASKED),
+}
+NUMERIC_FIELDS = {"prefetch": ("read_bytes", "timeout_ms", "deadline_ms", "deadline_unix_ms",
+                               "max_failures"),
+                  "check": ("read_bytes", "timeout_ms")}
+NUMBERS = (st.integers(-(2**63), 2**64 - 1) | st.sampled_from(
+    [0, 1, -1, DAY_MS, DAY_MS + 1, 2**32 - 1, 2**32, 2**44, 2**63 - 1, 2**64 - 1])
+    | st.floats() | st.booleans() | st.text(max_size=3))
+
+
+@FUZZ
+@given(st.sampled_from(["prefetch", "check"]),
+       st.sampled_from([*NUMERIC_RANGES, "deadline_unix_ms"]), NUMBERS, st.booleans())
+def test_a_number_is_served_inside_its_range_and_refused_naming_it_outside(
+    target: InProcessSupervisor, op: str, name: str, value: Any, near_now: bool
+) -> None:
+    if name == "deadline_unix_ms" and near_now and type(value) is int:
+        value = int(time.time() * 1000) + value % (2 * DAY_MS - 20_000) - DAY_MS + 10_000
+    reply = target.request({"v": 1, "id": 5, "op": op, "paths": [f"{ROOT}/a"], name: value})
+    if name not in NUMERIC_FIELDS[op]:
+        assert reply["ok"], reply  # a key the op does not use is ignored
+        return
+    if name == "deadline_unix_ms":
+        now = time.time() * 1000
+        inside = type(value) is int and abs(value - now) < DAY_MS - 5_000
+        outside = type(value) is not int or abs(value - now) > DAY_MS + 5_000
+    else:
+        low, high = NUMERIC_RANGES[name]
+        inside = type(value) is int and low <= value <= high
+        outside = not inside
+    if inside:
+        assert reply["ok"], reply
+    elif outside:
+        assert reply["error"]["code"] == BAD_REQUEST and reply["id"] == 5, reply
+        assert reply["error"]["message"].startswith(f"{name}: expected an integer in ["), reply

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import time
+
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvprefetchd.engines.base import deadline_ns
 from kvprefetchd.protocol import (
     BAD_REQUEST,
+    DAY_MS,
     HEADER,
     TOO_LARGE,
     UNKNOWN_OP,
@@ -16,9 +21,11 @@ from kvprefetchd.protocol import (
     FrameReader,
     Limits,
     RequestError,
+    deadline_of,
     decode_payload,
     encode_frame,
     nests_deeper_than,
+    parse_inspect_options,
     parse_paths,
     parse_request,
     parse_warm_options,
@@ -164,3 +171,94 @@ def test_a_prompt_may_hold_more_token_ids_than_a_request_may_hold_paths() -> Non
     with pytest.raises(RequestError) as caught:
         decode_payload(msgpack.packb({"token_ids": [1] * 5001}), limits)
     assert caught.value.code == BAD_REQUEST
+
+
+# ---- numeric fields: every one bounded at the edge (issue 23, finding 2) ----------------------
+
+HUGE = [2**44, 2**63 - 1, 2**64 - 1]  # 2**44 ms overflowed a worker's int64 ns in 0.3.0
+NOT_INTEGERS = [-1, 1.5, True, "5", [1]]
+
+
+def refusal(op: str, fields: dict[str, object]) -> RequestError:
+    """The RequestError parsing these fields raises (the test fails when there is none)."""
+    request = parse_request({"v": 1, "id": 9, "op": op, "paths": [], **fields})
+    with pytest.raises(RequestError) as caught:
+        if op in ("prefetch", "prefetch_blocks"):
+            parse_warm_options(request, 4096, 1 << 20)
+        else:
+            parse_inspect_options(request, 4096, 1 << 20)
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("op", "field", "value", "range_text"),
+    [
+        *[(op, "deadline_ms", v, "[0, 86400000]") for op in ("prefetch", "prefetch_blocks")
+          for v in [*HUGE, 86_400_001, *NOT_INTEGERS]],
+        *[("prefetch", "deadline_unix_ms", v, "CLOCK_REALTIME ms within 24 h")
+          for v in [*HUGE, 0, 1_700_000_000, *NOT_INTEGERS]],  # 0, and seconds for ms
+        *[(op, "timeout_ms", v, "[0, 86400000]") for op in ("prefetch", "check", "evict")
+          for v in [*HUGE, 86_400_001, *NOT_INTEGERS]],
+        *[(op, "read_bytes", v, "[1, 1048576]") for op in ("prefetch", "check")
+          for v in [0, (1 << 20) + 1, *HUGE, *NOT_INTEGERS]],
+        *[("prefetch", "max_failures", v, "[0, 4294967295]")
+          for v in [2**32, 2**64 - 1, *NOT_INTEGERS]],
+    ],
+)
+def test_a_number_out_of_its_range_is_a_bad_request_naming_field_and_range(
+    op: str, field: str, value: object, range_text: str
+) -> None:
+    error = refusal(op, {field: value})
+    assert error.code == BAD_REQUEST and error.request_id == 9
+    assert error.message.startswith(f"{field}: expected an integer in [") and range_text in \
+        error.message, error.message
+    assert len(error.message) < 300  # a refused value is named by its type, never echoed whole
+
+
+def test_a_refused_string_is_not_echoed() -> None:
+    error = refusal("prefetch", {"timeout_ms": "x" * 100_000})
+    assert error.message.endswith("got a string")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("deadline_ms", 0), ("deadline_ms", 86_400_000), ("timeout_ms", 0),
+     ("timeout_ms", 86_400_000), ("max_failures", 0), ("max_failures", 2**32 - 1),
+     ("read_bytes", 1), ("read_bytes", 1 << 20)],
+)
+def test_the_ends_of_each_range_are_served(field: str, value: int) -> None:
+    request = parse_request({"v": 1, "id": 1, "op": "prefetch", "paths": [], field: value})
+    options = parse_warm_options(request, 4096, 1 << 20, max_failures_listed=50)
+    assert options.max_failures <= 50
+
+
+def test_deadline_unix_ms_is_served_within_a_day_either_side() -> None:
+    now_ms = int(time.time() * 1000)
+    arrived = time.monotonic()
+    for offset in (-DAY_MS + 5_000, -1, 0, 1_000, DAY_MS - 5_000):
+        deadline = deadline_of({"deadline_unix_ms": now_ms + offset}, 1, 0, arrived)
+        assert deadline == pytest.approx(max(arrived + offset / 1000, 1e-9), abs=1.0)
+    for offset in (-DAY_MS - 5_000, DAY_MS + 5_000):
+        with pytest.raises(RequestError):
+            deadline_of({"deadline_unix_ms": now_ms + offset}, 1, 0, arrived)
+
+
+def test_both_deadline_forms_are_refused_together() -> None:
+    with pytest.raises(RequestError) as caught:
+        deadline_of({"deadline_ms": 5, "deadline_unix_ms": int(time.time() * 1000)}, 1, 0, 0.0)
+    assert "give one" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("deadline", "expected"),
+    [(0.0, 0), (-1.0, 0), (math.nan, 0), (1.5, 1_500_000_000),
+     (2.0**44 / 1000, None), (1e300, None), (math.inf, None)],  # 2**44 ms: issue 23's
+)
+def test_the_native_deadline_is_clamped_into_int64(deadline: float, expected: int | None) -> None:
+    """The backstop behind the edge: whatever reaches a worker fits its int64 field."""
+    ns = deadline_ns(deadline)
+    assert 0 <= ns <= (1 << 63) - 1
+    if expected is not None:
+        assert ns == expected
+    else:
+        assert ns > 9 * 10**18  # as good as never

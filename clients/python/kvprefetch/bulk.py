@@ -34,6 +34,18 @@ BACKOFF_MAX_S = 0.5
 LISTED_MAX = 100_000  # failures kept for --json; -v prints them as they come instead
 PROGRESS_EVERY_S = 0.2
 READ_CHUNK = 1 << 20
+# The longest line a list may hold: Linux's PATH_MAX (4,096 bytes with the NUL), longer
+# than any name the kernel opens and than the daemon's default max_path_bytes. A longer
+# line is no path: the run stops there (exit 2), rather than send what must be refused or
+# (0.3.0) keep an endless line, `-f /dev/zero`, in memory while it grows.
+MAX_LINE_BYTES = 4096
+# Empty lines in a row past which the input is no list: `-0 -f /dev/zero` is nothing but
+# empty records, read for ever (and Ctrl-C waits for the reading thread).
+MAX_EMPTY_RUN = 1 << 20
+
+
+class ListError(ValueError):
+    """A list (or a PATH operand) holds what cannot be a path; the message says where."""
 
 
 def read_paths(paths: Iterable[str], lists: Iterable[str], *, nul: bool,
@@ -41,31 +53,65 @@ def read_paths(paths: Iterable[str], lists: Iterable[str], *, nul: bool,
     """The command line's paths, then those of its list files, as they are read: `-`
     (as a path or a list) is stdin; a list holds one path a line (NUL-separated with
     `nul`). Relative paths become absolute (the daemon has its own cwd); names that are
-    not UTF-8 stay bytes."""
+    not UTF-8 stay bytes. A line longer than MAX_LINE_BYTES raises ListError naming the
+    list and the line, once it is that long: memory stays bounded on endless input."""
     separator = b"\0" if nul else b"\n"
-    for path in paths:
+    for number, path in enumerate(paths, 1):
         if path == "-":
-            yield from _split(stdin if stdin is not None else sys.stdin.buffer, separator)
+            yield from _split(stdin if stdin is not None else sys.stdin.buffer, separator,
+                              "stdin")
         else:
-            yield _absolute(os.fsencode(path))
+            raw = os.fsencode(path)
+            if len(raw) > MAX_LINE_BYTES:
+                raise ListError(f"PATH operand {number}: longer than {MAX_LINE_BYTES} bytes "
+                                "(PATH_MAX): not a path")
+            yield _absolute(raw)
     for name in lists:
         if name == "-":
-            yield from _split(stdin if stdin is not None else sys.stdin.buffer, separator)
+            yield from _split(stdin if stdin is not None else sys.stdin.buffer, separator,
+                              "stdin")
         else:
             with open(name, "rb") as listing:
-                yield from _split(listing, separator)
+                yield from _split(listing, separator, name)
 
 
-def _split(handle: IO[bytes], separator: bytes) -> Iterator[Path]:
+def _split(handle: IO[bytes], separator: bytes, name: str) -> Iterator[Path]:
+    """The non-empty lines of a list, each as soon as it is whole. What is held between
+    reads is one chunk and at most MAX_LINE_BYTES of an unfinished line."""
     rest = b""
+    number = 0  # lines (records) ended so far, empty ones included: what an editor counts
+    empty = 0  # empty ones in a row
+    blank = b"\r" if separator == b"\n" else b""  # a CRLF list's empty line
     while chunk := handle.read(READ_CHUNK):
         lines = (rest + chunk).split(separator)
         rest = lines.pop()
         for line in lines:
-            if line:
-                yield _absolute(line)
+            number += 1
+            if not line or line == blank:
+                empty += 1
+                if empty > MAX_EMPTY_RUN:
+                    raise _no_list(name, number, empty, separator)
+                continue
+            empty = 0
+            if len(line) > MAX_LINE_BYTES:
+                raise _too_long(name, number, separator)
+            yield _absolute(line)
+        if len(rest) > MAX_LINE_BYTES:
+            raise _too_long(name, number + 1, separator)
     if rest.strip(b"\r\n" if separator == b"\n" else b""):
         yield _absolute(rest)
+
+
+def _too_long(name: str, number: int, separator: bytes) -> ListError:
+    what = "record" if separator == b"\0" else "line"
+    return ListError(f"{name}: {what} {number} is longer than {MAX_LINE_BYTES} bytes "
+                     "(PATH_MAX): not a path")
+
+
+def _no_list(name: str, number: int, empty: int, separator: bytes) -> ListError:
+    what = "records" if separator == b"\0" else "lines"
+    return ListError(f"{name}: {what} {number - empty + 1} to {number} are empty (more than "
+                     f"{MAX_EMPTY_RUN} in a row): not a path list")
 
 
 def _absolute(raw: bytes) -> Path:
@@ -142,25 +188,43 @@ class Bulk:
         self._shown = 0.0
 
     async def run(self, paths: Iterator[Path]) -> Tally:
+        """Send every path. The first error (a request that failed, a list that is not
+        one) stops the reading; the requests in flight end, and it is raised: a run never
+        ends as if it sent what it skipped (0.3.0 lost a failed batch's error, exit 0)."""
         loop = asyncio.get_running_loop()
         source = batches(paths)
         tasks: set[asyncio.Task[None]] = set()
-        while True:
-            await self._window.acquire()
-            # The list is read off the loop: a slow pipe (find | kvprefetch) must not stall
-            # the replies of the requests in flight.
-            batch = await loop.run_in_executor(None, next, source, None)
-            if batch is None:
-                self._window.release()
-                break
-            self.tally.paths += len(batch)
-            task = asyncio.create_task(self._send(batch))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            if tasks and any(t.done() and t.exception() for t in list(tasks)):
-                break
-        if tasks:
-            await asyncio.gather(*tasks)
+        errors: list[BaseException] = []
+
+        def finished(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            error = None if task.cancelled() else task.exception()
+            if error is not None:
+                errors.append(error)
+
+        try:
+            while not errors:
+                await self._window.acquire()
+                try:
+                    # The list is read off the loop: a slow pipe (find | kvprefetch) must
+                    # not stall the replies of the requests in flight.
+                    batch = await loop.run_in_executor(None, next, source, None)
+                except BaseException:
+                    self._window.release()
+                    raise
+                if batch is None:
+                    self._window.release()
+                    break
+                self.tally.paths += len(batch)
+                task = asyncio.create_task(self._send(batch))
+                tasks.add(task)
+                task.add_done_callback(finished)
+        except Exception:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if errors:
+            raise errors[0]
         self.show(final=True)
         return self.tally
 

@@ -35,6 +35,9 @@ EXIT_NO_DAEMON = 3
 EXIT_SOME_FILES = 4
 
 SOCKET_ENV = "KVPREFETCHD_SOCKET"
+# The daemon refuses a timeout_ms or deadline_ms above a day (docs/protocol.md, "Numeric
+# fields"): said here as a usage error, before anything is sent.
+MAX_MILLISECONDS = 86_400_000
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,9 +113,10 @@ def _parser() -> argparse.ArgumentParser:
                     "daemon's queues; files dropped by a full queue are sent again.")
     warm.add_argument("--wait", action="store_true", help="wait for every file's outcome")
     warm.add_argument(
-        "--timeout-ms", type=_count, metavar="N", help="with --wait: stop waiting after N ms"
+        "--timeout-ms", type=_milliseconds, metavar="N",
+        help="with --wait: stop waiting after N ms"
     )
-    warm.add_argument("--deadline-ms", type=_count, metavar="N",
+    warm.add_argument("--deadline-ms", type=_milliseconds, metavar="N",
                       help="files not started within N ms of reaching the daemon are skipped "
                            "(expired); 0: none, not even the daemon's default")
     warm.add_argument("--ignore-missing", action="store_true",
@@ -120,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.set_defaults(bulk=True, op="warm")
 
     inspecting = argparse.ArgumentParser(add_help=False)  # check and evict
-    inspecting.add_argument("--timeout-ms", type=_count, metavar="N",
+    inspecting.add_argument("--timeout-ms", type=_milliseconds, metavar="N",
                             help="give up on a batch after N ms")
 
     check = commands.add_parser(
@@ -170,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     warm_request.add_argument("--wait", action="store_true", help="wait for every outcome")
     warm_request.add_argument("--read-bytes", type=_positive, metavar="N")
-    warm_request.add_argument("--timeout-ms", type=_count, metavar="N")
+    warm_request.add_argument("--timeout-ms", type=_milliseconds, metavar="N")
     warm_request.set_defaults(run=_run_warm_request, describe=_describe_warm_request)
 
     stats = commands.add_parser(
@@ -194,6 +198,13 @@ def _positive(text: str) -> int:
     value = _count(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _milliseconds(text: str) -> int:
+    value = _count(text)
+    if value > MAX_MILLISECONDS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_MILLISECONDS} (24 h): {value}")
     return value
 
 

@@ -174,6 +174,22 @@ def next_batch(pending: deque[WarmItem], batch_files: int) -> list[WarmItem]:
     return items
 
 
+# The native deadline is int64 ns of CLOCK_MONOTONIC. The protocol refuses deadlines
+# beyond a day (protocol.MAX_DEADLINE_MS); should any other path hand a worker a larger
+# one, it is clamped here ("not before the end of time") rather than overflowing the
+# field, which raised OverflowError and killed the worker (issue 23).
+_DEADLINE_NS_MAX = (1 << 63) - 1
+_DEADLINE_S_MAX = 9.2e9  # * 1e9 stays below _DEADLINE_NS_MAX, inf included
+
+
+def deadline_ns(deadline: float) -> int:
+    """A WarmItem's deadline (monotonic seconds; 0, negative or NaN: none) as the native
+    field holds it, always within int64."""
+    if not deadline > 0.0:
+        return 0
+    return min(int(min(deadline, _DEADLINE_S_MAX) * 1e9), _DEADLINE_NS_MAX)
+
+
 def native_batch(ffi: Any, items: list[WarmItem]) -> tuple[Any, Any]:
     """The items as a `struct kvp_item[]`, and what must stay alive while C reads it.
 
@@ -188,8 +204,8 @@ def native_batch(ffi: Any, items: list[WarmItem]) -> tuple[Any, Any]:
         entry.residency = item.rule
         entry.rel = base + offset
         entry.read_bytes = item.read_bytes
-        if item.deadline:
-            entry.deadline_ns = int(item.deadline * 1e9)  # time.monotonic() is CLOCK_MONOTONIC
+        if item.deadline:  # time.monotonic() is CLOCK_MONOTONIC
+            entry.deadline_ns = deadline_ns(item.deadline)
         entry.flags = item.flags
         offset += len(item.relative) + 1
     return native, names

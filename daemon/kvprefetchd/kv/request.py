@@ -24,7 +24,7 @@ from kvprefetchd.kv import layout
 from kvprefetchd.kv.errors import KVRequestError
 from kvprefetchd.kv.hashing import BlockExtra, ExtraKey, LoRA, MMFeature, Prompt
 from kvprefetchd.kv.profile import Profile, ProfileBounds
-from kvprefetchd.kv.specs import FINGERPRINT_RE
+from kvprefetchd.kv.specs import FINGERPRINT_RE, MAX_TOKEN_COUNT
 
 BLOCK_HASH_BYTES = 32  # sha256 and sha256_cbor
 MAX_EXTRA_KEY_DEPTH = 8
@@ -323,10 +323,12 @@ def _mm_features(value: Any, where: str, limits: Limits) -> tuple[MMFeature, ...
         identifier, offset, length = item.get("identifier"), item.get("offset"), item.get("length")
         if not isinstance(identifier, str):
             raise KVRequestError(f"{at}.identifier: must be vLLM's item hash (a string)")
-        if type(offset) is not int or offset < 0:
-            raise KVRequestError(f"{at}.offset: must be an integer >= 0")
-        if type(length) is not int or length < 1:
-            raise KVRequestError(f"{at}.length: must be an integer >= 1")
+        if type(offset) is not int or not 0 <= offset <= MAX_TOKEN_COUNT:
+            raise KVRequestError(f"{at}.offset: must be an integer >= 0 and <= "
+                                 f"{MAX_TOKEN_COUNT} (a token position)")
+        if type(length) is not int or not 1 <= length <= MAX_TOKEN_COUNT:
+            raise KVRequestError(f"{at}.length: must be an integer >= 1 and <= "
+                                 f"{MAX_TOKEN_COUNT} (a count of tokens)")
         if offset < previous_end:
             raise KVRequestError(
                 f"{at}.offset: items must be sorted by offset and must not overlap "

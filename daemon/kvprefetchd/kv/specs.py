@@ -18,6 +18,11 @@ from kvprefetchd.kv.layout import FieldSet
 DISCOVER = "discover"
 DEFAULT_CONNECTOR_BLOCK_SIZE_TOKENS = 256  # llmd_fs_backend spec.py default
 FINGERPRINT_RE = re.compile(r"[0-9a-f]{12}")
+# The most a count or a position of tokens may say (block sizes, mm_features offsets and
+# lengths): no request holds more tokens (max_tokens is at most 2**28), so a larger block
+# never fills; a request's number beyond it is refused, never computed with
+# (docs/protocol.md, "Numeric fields"). Ranks have their own bound, max_ranks.
+MAX_TOKEN_COUNT = 1 << 28
 
 HASH_KEYS = frozenset(
     {"algo", "python_hash_seed", "block_size", "vllm_block_size", "vllm_version",
@@ -94,22 +99,27 @@ def refuse_unknown(data: Mapping[str, Any], known: frozenset[str], where: str) -
         )
 
 
-def _opt_int(data: Mapping[str, Any], key: str, where: str) -> int | None:
+def _opt_int(data: Mapping[str, Any], key: str, where: str,
+             most: int | None = None) -> int | None:
     value = data.get(key)
     if value is None:
         return None
-    if type(value) is not int or value < 1:
-        raise ProfileError(f"{where}.{key}: must be a positive integer, got {value!r}")
+    if type(value) is not int or value < 1 or (most is not None and value > most):
+        bound = f" of at most {most}" if most is not None else ""
+        shown = repr(value) if type(value) in (int, float, bool) else type(value).__name__
+        raise ProfileError(f"{where}.{key}: must be a positive integer{bound}, got {shown}")
     return value
 
 
-def _int(data: Mapping[str, Any], key: str, where: str, default: int) -> int:
-    value = _opt_int(data, key, where)
+def _int(data: Mapping[str, Any], key: str, where: str, default: int,
+         most: int | None = None) -> int:
+    value = _opt_int(data, key, where, most)
     return default if value is None else value
 
 
-def _req_int(data: Mapping[str, Any], key: str, where: str, what: str) -> int:
-    value = _opt_int(data, key, where)
+def _req_int(data: Mapping[str, Any], key: str, where: str, what: str,
+             most: int | None = None) -> int:
+    value = _opt_int(data, key, where, most)
     if value is None:
         raise ProfileError(f"{where}.{key}: missing ({what})")
     return value
@@ -148,8 +158,8 @@ def read_hash_spec(data: Any, where: str, strict: bool) -> HashSpec:
             f"{where}.algo: {algo!r} is not supported (one of: {', '.join(hashing.ALGOS)}); "
             "it must equal vLLM's --prefix-caching-hash-algo"
         )
-    block_size = _opt_int(data, "block_size", where)
-    alias = _opt_int(data, "vllm_block_size", where)
+    block_size = _opt_int(data, "block_size", where, MAX_TOKEN_COUNT)
+    alias = _opt_int(data, "vllm_block_size", where, MAX_TOKEN_COUNT)
     if block_size is not None and alias is not None and block_size != alias:
         raise ProfileError(f"{where}.block_size ({block_size}) and {where}.vllm_block_size "
                            f"({alias}) disagree")
@@ -167,7 +177,8 @@ def read_hash_spec(data: Any, where: str, strict: bool) -> HashSpec:
         python_hash_seed=seed,
         block_size=block_size,
         vllm_version=_str(data, "vllm_version", where),
-        hash_block_size_tokens=_opt_int(data, "hash_block_size_tokens", where),
+        hash_block_size_tokens=_opt_int(data, "hash_block_size_tokens", where,
+                                        MAX_TOKEN_COUNT),
     )
 
 
@@ -230,7 +241,8 @@ def read_layout_spec(
         kv_cache_groups=groups,
         dtype=dtype,
         connector_block_size_tokens=_int(
-            data, "connector_block_size_tokens", where, DEFAULT_CONNECTOR_BLOCK_SIZE_TOKENS
+            data, "connector_block_size_tokens", where, DEFAULT_CONNECTOR_BLOCK_SIZE_TOKENS,
+            MAX_TOKEN_COUNT,
         ),
         fingerprint=fingerprint,
         fingerprint_fields_json=fields_json,
@@ -291,7 +303,8 @@ def _groups(value: Any, where: str, strict: bool) -> tuple[KVCacheGroup, ...]:
         item = as_mapping(item, at)
         if strict:
             refuse_unknown(item, GROUP_KEYS, f"{at}.")
-        block_size = _req_int(item, "block_size", at, "the group's block size in tokens")
+        block_size = _req_int(item, "block_size", at, "the group's block size in tokens",
+                              MAX_TOKEN_COUNT)
         names = item.get("layer_names")
         if names is not None:
             if (not isinstance(names, Sequence) or isinstance(names, str | bytes)
