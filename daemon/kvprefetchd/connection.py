@@ -18,7 +18,6 @@ Knows bytes and frames, not ops. What a connection may hold is bounded both ways
 from __future__ import annotations
 
 import contextlib
-import errno
 import selectors
 import socket
 import ssl
@@ -27,6 +26,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from kvprefetchd.peer_errors import caused_by_peer, would_block
 from kvprefetchd.peers import Peer
 from kvprefetchd.protocol import TOO_LARGE, FrameReader, encode_frame, error_reply
 
@@ -120,6 +120,7 @@ class Connection:
         self.events = events if events is not None else Counter()
         self.closed = False
         self.broken = False
+        self.failure: Exception | None = None  # what broke it, if no rule foresaw it
         self.watched = 0  # the selector events registered for it now (0: unregistered)
         self.handler: Callable[[int], None] | None = None  # its selector callback
         self._on_change = on_change
@@ -137,9 +138,20 @@ class Connection:
         # A TCP connection (tcp.py): the peer's address, and its certificate's names.
         self.address: str | None = None
         self.identities: frozenset[str] = frozenset()
+        self.trust: bytes | None = None  # the CA that vouched for it (tls_identity.trust_of)
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    def who(self) -> str:
+        """The peer, for a log line: uid and pid on the Unix socket, the address and the
+        certificate's identities on TCP."""
+        if self.peer is not None:
+            return f"uid {self.peer.uid} pid {self.peer.pid}"
+        if self.address is not None:
+            names = f" {sorted(self.identities)}" if self.identities else ""
+            return f"{self.address}{names}"
+        return "an unknown peer"
 
     def set_limits(self, max_frame_bytes: int, max_output_bytes: int) -> None:
         """A reload's new limits apply to the next frame and the next reply."""
@@ -163,26 +175,35 @@ class Connection:
                 f"above max_output_bytes ({self.max_output_bytes})",
             ))
         self.output += data
-        self.flush()
+        try:
+            self.flush()
+        except Exception as error:
+            # Not its peer's doing (flush closes those quietly), and maybe not in a
+            # selector callback (a waiter answered from the loop): the server's refresh
+            # reports it with the peer and drops this connection only.
+            self.broken = True
+            self.failure = error
         if self._on_change is not None:
             self._on_change(self)
 
     def flush(self) -> None:
-        """Send what the kernel takes now; the rest waits for the socket to be writable."""
+        """Send what the kernel takes now; the rest waits for the socket to be writable.
+
+        A peer that went away (EPIPE, a reset, TLS 1.3's EOF without close_notify: it
+        sent its request and closed without reading the reply) marks the connection
+        broken; the server unregisters and closes it (closing here would leave the
+        selector holding a dead fd). Anything else is ours and raised."""
         while self.output and not (self.closed or self.broken):
             try:
                 sent = self.sock.send(self.output)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,
-                    ssl.SSLWantReadError):
-                return
             except OSError as error:
-                if error.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
-                    # The server unregisters and closes it; closing here would
-                    # leave the selector holding a dead fd.
-                    self.broken = True
-                    self.output.clear()
+                if would_block(error):
                     return
-                raise
+                if not caused_by_peer(error):
+                    raise
+                self.broken = True
+                self.output.clear()
+                return
             del self.output[:sent]
 
     @property
@@ -200,13 +221,15 @@ class Connection:
         return not (self.backlogged or self.waiting) and self.room() > 0
 
     def fill(self) -> None:
-        """One recv of at most `room()` bytes into the frame reader; EOF marks it broken."""
+        """One recv of at most `room()` bytes into the frame reader; EOF, or an error
+        its peer caused, marks it broken (anything else is ours and raised)."""
         try:
             data = self.sock.recv(min(RECV_BYTES, self.room()))
-        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
-                ssl.SSLWantWriteError):
-            return
-        except OSError:
+        except OSError as error:
+            if would_block(error):
+                return
+            if not caused_by_peer(error):
+                raise
             data = b""
         if not data:
             self.broken = True

@@ -1,4 +1,5 @@
-"""Listening sockets: bind the Unix socket safely, accept without spinning, refuse politely.
+"""Listening sockets: bind the Unix socket safely, accept without spinning, refuse politely,
+and survive what one peer's connection throws.
 
 Shared by every listener of the supervisor's loop: the request socket (server.py), the
 TCP listener (tcp.py) and the metrics endpoint (metrics_http.py).
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import socket
 import stat
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
+from kvprefetchd.peer_errors import accept_failed_by_peer
 from kvprefetchd.protocol import encode_frame, error_reply
 
 log = logging.getLogger("kvprefetchd.server")  # the socket's own messages, as before the move
@@ -63,6 +67,77 @@ class AcceptRest:
             self.log.warning("%s: accepting connections again after %.1f s out of file "
                              "descriptors", self.what, self.clock() - self.since)
             self.since = None
+
+
+class Unforeseen:
+    """Errors no rule foresaw in one peer's callback (a bug, or a state nobody thought a
+    peer could bring about): each is counted (`connection_errors`) and logged with the
+    peer, and the caller closes that peer only, so the loop and every other peer go on
+    (issue 23). The traceback is logged the first time per kind of error and place, then
+    one line each: a peer that can trigger one at will must not flood the log."""
+
+    KINDS = 64  # tracebacks told, at most (then one line each)
+
+    def __init__(self, events: Counter[str], logger: logging.Logger) -> None:
+        self.events = events
+        self.log = logger
+        self.told: set[tuple[str, str, int]] = set()
+
+    def happened(self, who: str, error: Exception) -> None:
+        self.events["connection_errors"] += 1
+        frame = error.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        kind = (type(error).__name__, frame.tb_frame.f_code.co_filename if frame else "",
+                frame.tb_lineno if frame else 0)
+        first = kind not in self.told and len(self.told) < self.KINDS
+        if first:
+            self.told.add(kind)
+        self.log.error("closed the connection of %s after an unexpected error: %s: %s",
+                       who, type(error).__name__, error, exc_info=error if first else None)
+
+
+class Hush:
+    """Warnings about peers, at most LINES per WINDOW seconds per kind; the rest counted and
+    told in one line when the window ends. Each refused peer is worth a line, but a flood
+    of them (hundreds a second) must not become a flood of log lines that costs the loop
+    more than the peers do (issue 23)."""
+
+    LINES = 10
+    WINDOW = 10.0
+
+    def __init__(self, logger: logging.Logger,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log = logger
+        self.clock = clock
+        self.windows: dict[str, tuple[float, int, int]] = {}  # kind: (start, told, hushed)
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = self.clock()
+        start, told, hushed = self.windows.get(kind, (now, 0, 0))
+        if now - start >= self.WINDOW:
+            self.tell(kind, start, hushed)
+            start, told, hushed = now, 0, 0
+        if told < self.LINES:
+            self.log.warning(message, *args)
+            told += 1
+        else:
+            hushed += 1
+        self.windows[kind] = (start, told, hushed)
+
+    def tell(self, kind: str, start: float, hushed: int) -> None:
+        if hushed:
+            self.log.warning("%d more like the above (%s) in %.0f s were not logged; the "
+                             "events counters have them all", hushed, kind,
+                             self.clock() - start)
+
+    def sweep(self) -> None:
+        """Tell the hushed count of every window that ended (called once a second)."""
+        now = self.clock()
+        for kind, (start, _, hushed) in list(self.windows.items()):
+            if now - start >= self.WINDOW:
+                self.tell(kind, start, hushed)
+                del self.windows[kind]
 
 
 class SocketInUse(RuntimeError):
@@ -121,20 +196,23 @@ def out_of_fds(error: OSError) -> bool:
     return error.errno in (errno.EMFILE, errno.ENFILE)
 
 
-def accept_ready(listener: socket.socket, what: str) -> Iterator[socket.socket]:
-    """Every connection waiting on a non-blocking listener, as non-blocking sockets.
+def accept_ready(listener: socket.socket, what: str,
+                 most: int | None = None) -> Iterator[socket.socket]:
+    """Every connection waiting on a non-blocking listener (at most `most` this turn: the
+    listener stays readable and the loop comes back after serving the others), as
+    non-blocking sockets.
 
     A peer that gave up before we accepted it costs that connection, never the
     event loop that called us. Running out of fds raises the OSError (see
     `out_of_fds`) after yielding what was accepted before it.
     """
-    while True:
+    for _ in itertools.repeat(None) if most is None else range(most):
         try:
             sock, _ = listener.accept()
         except (BlockingIOError, InterruptedError):
             return
         except OSError as error:
-            if error.errno == errno.ECONNABORTED:
+            if accept_failed_by_peer(error):
                 continue
             if out_of_fds(error):
                 log.debug("%s: accept: %s", what, error.strerror)

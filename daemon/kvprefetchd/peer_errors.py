@@ -21,6 +21,14 @@ PEER_ERRNOS = frozenset({
     errno.EHOSTDOWN, errno.ESHUTDOWN,
 })
 
+# What accept(2) may return for a connection that failed before we took it: Linux passes
+# the new socket's pending network errors back from accept, and for TCP/IP says to treat
+# these like EAGAIN and retry (accept(2), NOTES and ERRORS: EPERM is a firewall rule's).
+ACCEPT_ERRNOS = frozenset({
+    errno.ECONNABORTED, errno.ENETDOWN, errno.EPROTO, errno.ENOPROTOOPT, errno.EHOSTDOWN,
+    errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH, errno.EPERM,
+})
+
 
 def would_block(error: BaseException) -> bool:
     """Nothing wrong: try again when the selector says so (TLS may want the other way)."""
@@ -49,3 +57,9 @@ def describe(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     return f"{type(error).__name__}: {error}"
+
+
+def accept_failed_by_peer(error: BaseException) -> bool:
+    """accept(2) failed for that one connection (gone, or refused on its way): take the
+    next. Out of fds (EMFILE, ENFILE) and the rest are the listener's own."""
+    return isinstance(error, OSError) and error.errno in ACCEPT_ERRNOS

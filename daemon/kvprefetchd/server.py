@@ -11,6 +11,12 @@ taken out of `allowed_uids` loses its open connections), at most
 PRIVILEGED_RESERVE that only root and the daemon's own user may use, so an operator's
 ping gets through while others hog every slot. A connection that owes and asks nothing
 for `idle_timeout`, or leaves a frame unfinished for `frame_timeout`, is closed.
+
+What one connection throws costs that connection only: an error its peer caused (a
+reset, TLS's EOF without close_notify: peer_errors.py) closes it quietly, and any other
+exception out of its callback is logged with the peer, counted (`connection_errors`)
+and closes it too (listening.Unforeseen); the loop goes on. The listener's own errors
+(out of fds: a rest, see listening.AcceptRest) are not a peer's and are not swallowed.
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ from collections.abc import Callable
 from kvprefetchd import systemd
 from kvprefetchd.config import Config
 from kvprefetchd.connection import Connection, InputPool
-from kvprefetchd.listening import AcceptRest, accept_ready, listen_unix, out_of_fds, refuse
+from kvprefetchd.listening import (
+    AcceptRest,
+    Unforeseen,
+    accept_ready,
+    listen_unix,
+    out_of_fds,
+    refuse,
+)
 from kvprefetchd.peers import PRIVILEGED_RESERVE, Peer, PeerPolicy, Seats, peer_of
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, TOO_LARGE, error_reply
 from kvprefetchd.tcp import TcpListener
@@ -72,6 +85,7 @@ class Server:
         self.resting = AcceptRest("requests", log)  # out of fds: not accepting for a while
         self.next_sweep = time.monotonic() + SWEEP_SECONDS
         self.tcp: TcpListener | None = None  # listen_tcp: routers on other hosts
+        self.unforeseen = Unforeseen(events, log)  # one peer's unexpected errors
 
     # ---- the listener ------------------------------------------------------------------------
 
@@ -107,9 +121,7 @@ class Server:
         assert self.listener is not None
         try:
             for sock in accept_ready(self.listener, "requests"):
-                peer = self.admit_peer(sock)
-                if peer is not None:
-                    self.add_connection(sock, peer)
+                self.take(sock)
         except OSError as error:
             if not out_of_fds(error):
                 raise
@@ -119,6 +131,25 @@ class Server:
             self.events["accept_paused"] += 1
             return
         self.resting.accepted()
+
+    def take(self, sock: socket.socket) -> None:
+        """One accepted socket: admitted or refused. What goes wrong here is this peer's
+        alone (it is closed), unless the daemon is out of fds (the listener rests)."""
+        try:
+            peer = self.admit_peer(sock)
+            if peer is not None:
+                self.add_connection(sock, peer)
+        except Exception as error:
+            if isinstance(error, OSError) and out_of_fds(error):
+                sock.close()
+                raise
+            connection = self.connections.get(sock.fileno()) if sock.fileno() >= 0 else None
+            if connection is not None and connection.sock is sock:
+                self.fail(connection, error)
+            else:
+                self.unforeseen.happened("a new peer on the request socket", error)
+                with contextlib.suppress(OSError):
+                    sock.close()
 
     def next_due(self, now: float) -> float | None:
         dues = [] if self.resting.until is None else [self.resting.until - now]
@@ -229,6 +260,31 @@ class Server:
         return connection
 
     def on_connection_event(self, connection: Connection, events: int) -> None:
+        """The selector's callback for one connection: whatever it throws closes it only."""
+        if connection.closed:
+            return  # dropped earlier in this turn (its event was already in the list)
+        try:
+            self.handle(connection, events)
+        except Exception as error:
+            self.fail(connection, error)
+
+    def fail(self, connection: Connection, error: Exception) -> None:
+        """An exception no rule foresaw came out of this connection: logged with its peer,
+        counted, and the connection closed; the daemon and its other peers go on."""
+        self.unforeseen.happened(connection.who(), error)
+        connection.broken = True
+        try:
+            self.drop(connection)
+        except Exception:  # the books may be half updated: make sure it is gone at least
+            log.exception("closing the connection of %s failed", connection.who())
+            for fd, held in list(self.connections.items()):
+                if held is connection:
+                    del self.connections[fd]
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self.selector.unregister(connection.sock)
+            connection.close()
+
+    def handle(self, connection: Connection, events: int) -> None:
         if events & selectors.EVENT_WRITE:
             connection.flush()
         if events & selectors.EVENT_READ and connection.wants_input():
@@ -269,6 +325,9 @@ class Server:
         """Drop a connection that broke or closed; else watch what it needs now (a
         selector call only when that changed: replies are sent once per request)."""
         if connection.broken or connection.closed:
+            if connection.failure is not None:
+                self.unforeseen.happened(connection.who(), connection.failure)
+                connection.failure = None
             self.drop(connection)
             return
         wanted = connection.wanted_events()
