@@ -1,15 +1,19 @@
 """GET /metrics over HTTP/1.0, driven by the supervisor's own `selectors` loop.
 
 No threads (forking stays safe) and no http.server: each client is bounded (8 KiB of
-request header, 2 s from accept to close, at most 32 at once); anything but
+request header, which must arrive within 0.5 s of the accept; 2 s from accept to close;
+at most 32 at once, 4 per address; new connections rate-limited); anything but
 `GET|HEAD /metrics` gets 404/405/400/431 and is closed. The body is whatever the
-supervisor's callback renders (exposition.render of the current stats).
+supervisor's callback renders (exposition.render of the current stats), reused for
+scrapes within `cache_seconds`. metrics_limits.py says why each bound is there and
+what it stops; each refusal is counted (`counts`, the `metrics_*` events of `stats`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import selectors
@@ -22,6 +26,7 @@ from urllib.parse import urlsplit
 from kvprefetchd.config import MetricsAddress, parse_metrics_address
 from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from kvprefetchd.listening import AcceptRest, accept_ready, listen_unix, out_of_fds
+from kvprefetchd.metrics_limits import Admission, MetricsLimits, TokenBucket, address_key
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -50,8 +55,17 @@ def open_metrics_listener(
 
 
 MAX_HEADER_BYTES = 8 * 1024
-CLIENT_DEADLINE = 2.0  # seconds from accept to close, whatever the client does
-MAX_CLIENTS = 32
+# Connections accepted per listener event at most: a flood of connects is taken in
+# slices, so the loop serves the request socket between them.
+ACCEPTS_PER_EVENT = 64
+# However a flood comes, the listener is read ACCEPTS_PER_SECOND times a second at most
+# (bursts of ACCEPT_BURST); then it leaves the selector until the bucket has refilled and
+# the rest wait in the backlog (or are dropped by the kernel when it is full). Each
+# accept and close, even of a connection refused at once, costs some 50 us of the
+# supervisor (most of it in the kernel, measured on loopback): this bounds the flood's
+# share at about 10% of a core.
+ACCEPTS_PER_SECOND = 2000.0
+ACCEPT_BURST = 100.0
 _READING, _WRITING, _DRAINING = "reading", "writing", "draining"
 _REASONS = {
     200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
@@ -60,12 +74,16 @@ _REASONS = {
 
 
 class _Client:
-    __slots__ = ("deadline", "handler", "inbound", "outbound", "sock", "state")
+    __slots__ = ("accepted", "deadline", "handler", "inbound", "key", "outbound", "sock",
+                 "state")
 
-    def __init__(self, server: MetricsServer, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, server: MetricsServer, sock: socket.socket, key: str | None,
+                 accepted: float) -> None:
         self.handler = functools.partial(server.on_client_event, self)
         self.sock = sock
-        self.deadline = deadline
+        self.key = key
+        self.accepted = accepted
+        self.deadline = accepted + server.limits.header_timeout  # until the header is in
         self.inbound = bytearray()
         self.outbound = b""
         self.state = _READING
@@ -78,6 +96,7 @@ class MetricsServer:
     every key of the supervisor's loop does. After the response it shuts its side
     down and reads until the client closes (or the deadline), so unread request
     bytes never turn the close into a reset that could cut the response short.
+    `limits` bound what an unauthenticated client may hold or cost (metrics_limits.py).
     """
 
     def __init__(
@@ -87,8 +106,7 @@ class MetricsServer:
         *,
         unlink_path: str | None = None,
         max_header_bytes: int = MAX_HEADER_BYTES,
-        deadline: float = CLIENT_DEADLINE,
-        max_clients: int = MAX_CLIENTS,
+        limits: MetricsLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         listener.setblocking(False)
@@ -96,13 +114,21 @@ class MetricsServer:
         self.get_body = get_body
         self.unlink_path = unlink_path
         self.max_header_bytes = max_header_bytes
-        self.deadline = deadline
-        self.max_clients = max_clients
+        self.limits = limits if limits is not None else MetricsLimits()
         self.clock = clock
+        self.admission = Admission(self.limits, clock())
         self.selector: selectors.BaseSelector | None = None
-        self.clients: dict[int, _Client] = {}
-        self.counts = {"served": 0, "not_found": 0, "bad": 0, "refused": 0, "expired": 0}
+        self.clients: dict[int, _Client] = {}  # in accept order (the oldest first)
+        self.cache: dict[bool, tuple[float, bytes]] = {}  # openmetrics? -> (rendered, body)
+        self.counts = {
+            "served": 0, "cached": 0, "not_found": 0, "bad": 0, "expired": 0,
+            "evicted": 0, "refused": 0, "refused_address": 0, "refused_address_rate": 0,
+            "refused_rate": 0, "accept_paused": 0,
+        }
+        self.family = listener.family
         self.resting = AcceptRest("metrics", log, clock)  # out of fds: listener not watched
+        self.accepts = TokenBucket(ACCEPTS_PER_SECOND, ACCEPT_BURST, clock())
+        self.paused_until: float | None = None  # accepts over budget: listener not watched
 
     @classmethod
     def open(
@@ -132,18 +158,22 @@ class MetricsServer:
     def next_timeout(self, now: float) -> float | None:
         """Seconds until the earliest client deadline or the end of a rest (None: neither)."""
         dues = [c.deadline for c in self.clients.values()]
-        if self.resting.until is not None:
-            dues.append(self.resting.until)
+        for until in (self.resting.until, self.paused_until):
+            if until is not None:
+                dues.append(until)
         return max(0.0, min(dues) - now) if dues else None
 
     def expire(self, now: float) -> int:
         """Close every client past its deadline (slow or silent ones); returns how many.
 
-        Also puts a resting listener (see _accept) back in the selector once its rest is over.
+        Also puts a resting or paused listener (see _accept) back in the selector once
+        its rest or pause is over.
         """
-        if self.resting.over(now) and self.selector is not None:
-            self.selector.register(self.listener, selectors.EVENT_READ,
-                                   self.on_listener_event)
+        rested = self.resting.over(now)
+        if self.paused_until is not None and now >= self.paused_until:
+            self.paused_until, rested = None, True
+        if rested and self.resting.until is None and self.paused_until is None:
+            self._watch_listener()
         late = [c for c in self.clients.values() if c.deadline <= now]
         for client in late:
             if client.state != _DRAINING:
@@ -177,15 +207,57 @@ class MetricsServer:
             return
         self.resting.accepted()
 
+    def _watch_listener(self) -> None:
+        if self.selector is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.register(self.listener, selectors.EVENT_READ,
+                                       self.on_listener_event)
+
     def _accept_ready(self) -> None:
-        for sock in accept_ready(self.listener, "metrics"):
-            if len(self.clients) >= self.max_clients or self.selector is None:
-                self.counts["refused"] += 1
-                sock.close()
-                continue
-            client = _Client(self, sock, self.clock() + self.deadline)
-            self.clients[sock.fileno()] = client
-            self.selector.register(sock, selectors.EVENT_READ, client.handler)
+        ready = accept_ready(self.listener, "metrics")
+        for sock in itertools.islice(ready, ACCEPTS_PER_EVENT):
+            now = self.clock()
+            self._admit(sock, now)
+            if not self.accepts.take(now):  # over budget: pause until the bucket refills
+                self.counts["accept_paused"] += 1
+                self.paused_until = now + ACCEPT_BURST / ACCEPTS_PER_SECOND / 2
+                if self.selector is not None:
+                    with contextlib.suppress(KeyError, ValueError):
+                        self.selector.unregister(self.listener)
+                return
+
+    def _admit(self, sock: socket.socket, now: float) -> None:
+        """Let a new connection in (evicting another when every slot is taken), or close
+        it at once with the reason counted."""
+        key = address_key(sock, self.family)
+        refusal = self.admission.refusal(key, now)
+        if refusal is None and len(self.clients) >= self.limits.max_clients:
+            refusal = None if self._evict_one() else "refused"
+        if refusal is not None or self.selector is None:
+            self.counts[refusal or "refused"] += 1
+            sock.close()  # at once: no read, no render
+            return
+        client = _Client(self, sock, key, now)
+        self.clients[sock.fileno()] = client
+        self.admission.opened(key)
+        self.selector.register(sock, selectors.EVENT_READ, client.handler)
+
+    def _evict_one(self) -> bool:
+        """Make room for a newcomer: close the oldest client already answered (its
+        response is sent: only the wait for its close is cut short), else the oldest
+        still reading (a scraper sends its request at once; one that has not is slow
+        or an attacker holding the slot), else the oldest being written to."""
+        for state in (_DRAINING, _READING, _WRITING):
+            oldest = next((c for c in self.clients.values() if c.state == state), None)
+            if oldest is not None:
+                self.counts["evicted"] += 1
+                self._close(oldest)
+                return True
+        return False
+
+    def events(self) -> dict[str, int]:
+        """The counts as `stats` events: metrics_served, metrics_refused_rate, ..."""
+        return {f"metrics_{name}": value for name, value in self.counts.items() if value}
 
     def _read(self, client: _Client) -> None:
         try:
@@ -229,16 +301,28 @@ class MetricsServer:
             return
         openmetrics = wants_openmetrics(head)
         try:
-            body = self.get_body(openmetrics)
+            body = self._body(openmetrics)
         except Exception:  # a bug in the figures must cost one scrape, never the daemon
             log.exception("metrics: rendering failed")
             self._respond(client, 500, b"rendering the metrics failed; see the daemon's log\n")
             return
         self.counts["served"] += 1
+        self.admission.served(client.key, self.clock())
         content_type = OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE
         self._respond(
             client, 200, body, content_type=content_type.encode(), head_only=method == b"HEAD"
         )
+
+    def _body(self, openmetrics: bool) -> bytes:
+        """The page, rendered at most once per cache_seconds per format."""
+        now = self.clock()
+        cached = self.cache.get(openmetrics)
+        if cached is not None and 0 <= now - cached[0] < self.limits.cache_seconds:
+            self.counts["cached"] += 1
+            return cached[1]
+        body = self.get_body(openmetrics)
+        self.cache[openmetrics] = (now, body)
+        return body
 
     def _respond(
         self,
@@ -258,6 +342,7 @@ class MetricsServer:
         client.outbound = header if head_only else header + body
         client.inbound.clear()
         client.state = _WRITING
+        client.deadline = client.accepted + self.limits.deadline
         self._write(client)
 
     def _write(self, client: _Client) -> None:
@@ -289,6 +374,7 @@ class MetricsServer:
         fd = client.sock.fileno()
         if fd >= 0 and self.clients.get(fd) is client:
             del self.clients[fd]
+            self.admission.closed(client.key)
             if self.selector is not None:
                 with contextlib.suppress(KeyError, ValueError):
                     self.selector.unregister(client.sock)

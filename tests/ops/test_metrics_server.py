@@ -6,6 +6,7 @@ selector, one thread: the test pumps the loop exactly like run_once() would.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import selectors
@@ -23,12 +24,22 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 from stats_sample import realistic_stats
 
-from kvprefetchd.config import MetricsAddress, MetricsAddressError, parse_metrics_address
+from kvprefetchd.config import (
+    ConfigError,
+    MetricsAddress,
+    MetricsAddressError,
+    build_config,
+    parse_metrics_address,
+)
 from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, render
 from kvprefetchd.listening import ACCEPT_REST
-from kvprefetchd.metrics_http import MetricsServer, open_metrics_listener
+from kvprefetchd.metrics_http import ACCEPTS_PER_EVENT, MetricsServer, open_metrics_listener
+from kvprefetchd.metrics_limits import Admission, MetricsLimits, TokenBucket
 
 BODY = b"# HELP kvprefetchd_up test\n# TYPE kvprefetchd_up gauge\nkvprefetchd_up 1.0\n"
+# The tests of answers pump many exchanges on a frozen clock: no rate limit, no cache.
+UNLIMITED = MetricsLimits(rate=1e9, rate_per_address=1e9, max_clients_per_address=32,
+                          cache_seconds=0)
 
 
 class Clock:
@@ -63,9 +74,11 @@ class Loop:
         self.selector.close()
 
 
-def connect(server: MetricsServer) -> socket.socket:
+def connect(server: MetricsServer, source: str | None = None) -> socket.socket:
     address = server.listener.getsockname()
     client = socket.socket(server.listener.family, socket.SOCK_STREAM)
+    if source is not None:  # another loopback address: another peer to the per-address caps
+        client.bind((source, 0))
     client.connect(address)  # completes from the backlog: no accept needed yet
     client.setblocking(False)
     return client
@@ -110,7 +123,8 @@ def clock() -> Clock:
 
 @pytest.fixture
 def tcp_loop(clock: Clock) -> Iterator[Loop]:
-    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY, clock=clock)
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY, clock=clock,
+                           limits=UNLIMITED)
     loop = Loop(server)
     yield loop
     loop.close()
@@ -235,7 +249,8 @@ def test_a_failing_body_costs_one_500_not_the_server(clock: Clock) -> None:
             raise RuntimeError("a bug in the figures")
         return BODY
 
-    loop = Loop(MetricsServer(open_metrics_listener("127.0.0.1:0"), body, clock=clock))
+    loop = Loop(MetricsServer(open_metrics_listener("127.0.0.1:0"), body, clock=clock,
+                              limits=UNLIMITED))
     try:
         assert split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))[0] == 500
         assert split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))[0] == 200
@@ -257,7 +272,7 @@ def test_a_large_body_is_written_across_many_writable_events(clock: Clock) -> No
 
 
 @pytest.mark.parametrize("sent", [b"", b"GET /metr"])
-def test_a_slow_or_silent_client_is_closed_at_its_deadline(
+def test_a_slow_or_silent_client_is_closed_at_its_header_deadline(
     tcp_loop: Loop, clock: Clock, sent: bytes
 ) -> None:
     client = connect(tcp_loop.server)
@@ -266,11 +281,13 @@ def test_a_slow_or_silent_client_is_closed_at_its_deadline(
     for _ in range(5):
         tcp_loop.run_once()
     assert len(tcp_loop.server.clients) == 1
-    assert tcp_loop.server.next_timeout(clock.now) == pytest.approx(2.0)
-    clock.now += 1.9
+    # The whole header must be in within metrics_header_timeout (0.5 s), not the 2 s a
+    # client may take in all: a slot held by a silent peer is freed 4 times sooner.
+    assert tcp_loop.server.next_timeout(clock.now) == pytest.approx(0.5)
+    clock.now += 0.45
     tcp_loop.run_once()
     assert len(tcp_loop.server.clients) == 1
-    clock.now += 0.2
+    clock.now += 0.1
     tcp_loop.run_once()
     assert not tcp_loop.server.clients
     assert tcp_loop.server.counts["expired"] == 1
@@ -281,25 +298,230 @@ def test_a_slow_or_silent_client_is_closed_at_its_deadline(
     client.close()
 
 
-def test_clients_beyond_the_limit_are_closed_at_once(clock: Clock) -> None:
-    server = MetricsServer(
-        open_metrics_listener("127.0.0.1:0"), lambda _om: BODY, clock=clock, max_clients=1
-    )
+def test_an_answered_client_that_never_closes_is_let_go_at_two_seconds(
+    tcp_loop: Loop, clock: Clock
+) -> None:
+    client = connect(tcp_loop.server)
+    client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    tcp_loop.pump_until(lambda: tcp_loop.server.counts["served"] == 1)
+    assert len(tcp_loop.server.clients) == 1  # draining: waiting for our close
+    assert tcp_loop.server.next_timeout(clock.now) == pytest.approx(2.0)
+    clock.now += 2.0
+    tcp_loop.run_once()
+    assert not tcp_loop.server.clients and tcp_loop.server.counts["expired"] == 0
+    client.close()
+
+
+def test_a_newcomer_evicts_the_oldest_reading_client_when_every_slot_is_taken(
+    clock: Clock,
+) -> None:
+    """40 partial requests once held all 32 slots and 0 of 50 scrapes were served
+    (issue 23): now a newcomer takes the slot of the oldest client still reading."""
+    limits = dataclasses.replace(UNLIMITED, max_clients=2)
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
+                           clock=clock, limits=limits)
     loop = Loop(server)
     try:
-        first = connect(server)
-        loop.pump_until(lambda: len(server.clients) == 1)
-        second = connect(server)
-        loop.pump_until(lambda: server.counts["refused"] == 1)
-        second.setblocking(True)
-        second.settimeout(2)
-        assert second.recv(100) == b""
-        first.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        first, second = connect(server), connect(server)
+        first.sendall(b"GET /me")
+        loop.pump_until(lambda: len(server.clients) == 2)
+        scraper = connect(server)
+        scraper.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
         loop.pump_until(lambda: server.counts["served"] == 1)
-        first.close()
-        second.close()
+        assert server.counts["evicted"] == 1 and server.counts["refused"] == 0
+        assert closed_unanswered(first)  # the oldest was let go
+        for sock in (first, second, scraper):
+            sock.close()
     finally:
         loop.close()
+
+
+def test_an_answered_client_is_evicted_before_one_still_reading(clock: Clock) -> None:
+    limits = dataclasses.replace(UNLIMITED, max_clients=2)
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
+                           clock=clock, limits=limits)
+    loop = Loop(server)
+    try:
+        reading = connect(server)
+        loop.pump_until(lambda: len(server.clients) == 1)
+        answered = connect(server)
+        answered.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        loop.pump_until(lambda: server.counts["served"] == 1)
+        newcomer = connect(server)
+        loop.pump_until(lambda: server.counts["evicted"] == 1)
+        states = sorted(c.state for c in server.clients.values())
+        assert states == ["reading", "reading"]
+        for sock in (reading, answered, newcomer):
+            sock.close()
+    finally:
+        loop.close()
+
+
+def test_an_address_holds_at_most_its_share_of_the_slots(clock: Clock) -> None:
+    limits = dataclasses.replace(UNLIMITED, max_clients_per_address=2)
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
+                           clock=clock, limits=limits)
+    loop = Loop(server)
+    try:
+        held = [connect(server, "127.0.0.2") for _ in range(3)]
+        loop.pump_until(lambda: server.counts["refused_address"] == 1)
+        assert len(server.clients) == 2 and server.counts["evicted"] == 0
+        other = connect(server, "127.0.0.3")  # another address still gets in
+        loop.pump_until(lambda: len(server.clients) == 3)
+        for sock in [*held, other]:
+            sock.close()
+    finally:
+        loop.close()
+
+
+def test_new_connections_beyond_the_rates_are_closed_at_once_without_a_render(
+    clock: Clock,
+) -> None:
+    renders = []
+
+    def body(_openmetrics: bool) -> bytes:
+        renders.append(1)
+        return BODY
+
+    limits = MetricsLimits(rate=3, rate_per_address=2, max_clients_per_address=32,
+                           cache_seconds=0)
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), body, clock=clock,
+                           limits=limits)
+    loop = Loop(server)
+    try:
+        # One address: a burst of 2 x rate_per_address, then refused (its first scrape
+        # took one of the shared tokens; served, it is a known scraper since).
+        codes = [exchange_or_refused(loop, "127.0.0.2") for _ in range(6)]
+        assert codes == [200] * 4 + [None] * 2
+        assert server.counts["refused_address_rate"] == 2
+        # Every address together: `rate` (3) a second; 2 tokens are left.
+        codes = [exchange_or_refused(loop, f"127.0.0.{n}") for n in (3, 4, 5)]
+        assert codes == [200, 200, None] and server.counts["refused_rate"] == 1
+        # An address served before is a known scraper: the shared bucket does not hold it.
+        assert exchange_or_refused(loop, "127.0.0.3") == 200
+        assert len(renders) == 7
+        clock.now += 1.0  # the buckets refill
+        assert exchange_or_refused(loop, "127.0.0.5") == 200
+    finally:
+        loop.close()
+
+
+def closed_unanswered(sock: socket.socket) -> bool:
+    """The server closed it without a byte (a reset when our request bytes were unread)."""
+    sock.setblocking(True)
+    sock.settimeout(2)
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def exchange_or_refused(loop: Loop, source: str) -> int | None:
+    """A scrape from `source`: its status, or None when closed without an answer."""
+    client = connect(loop.server, source)
+    client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    received = bytearray()
+    closed = False
+
+    def done() -> bool:
+        nonlocal closed
+        try:
+            while chunk := client.recv(65536):
+                received.extend(chunk)
+            closed = True
+        except BlockingIOError:
+            pass
+        except ConnectionResetError:  # closed at once, the request unread: a reset
+            closed = True
+        return closed
+
+    loop.pump_until(done)
+    client.close()
+    loop.pump_until(lambda: not loop.server.clients)
+    return split(bytes(received))[0] if received else None
+
+
+def test_the_page_is_rendered_at_most_once_per_cache_interval(clock: Clock) -> None:
+    renders: list[bool] = []
+
+    def body(openmetrics: bool) -> bytes:
+        renders.append(openmetrics)
+        return BODY + b"# %d\n" % len(renders)
+
+    limits = dataclasses.replace(UNLIMITED, cache_seconds=0.5)
+    loop = Loop(MetricsServer(open_metrics_listener("127.0.0.1:0"), body, clock=clock,
+                              limits=limits))
+    om = b"GET /metrics HTTP/1.0\r\nAccept: application/openmetrics-text\r\n\r\n"
+    try:
+        first = split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))[2]
+        clock.now += 0.4
+        again = split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))[2]
+        other_format = split(exchange(loop, om))[2]
+        clock.now += 0.2
+        fresh = split(exchange(loop, b"GET /metrics HTTP/1.0\r\n\r\n"))[2]
+        assert first == again != fresh and other_format.endswith(b"# 2\n")
+        assert renders == [False, True, False]
+        assert loop.server.counts["cached"] == 1 and loop.server.counts["served"] == 4
+        assert loop.server.events() == {"metrics_served": 4, "metrics_cached": 1}
+    finally:
+        loop.close()
+
+
+def test_a_flood_of_connects_is_taken_in_slices(clock: Clock) -> None:
+    """At most ACCEPTS_PER_EVENT accepts per listener event: the loop gets a turn between."""
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0", backlog=2 * ACCEPTS_PER_EVENT),
+                           lambda _om: BODY, clock=clock, limits=UNLIMITED)
+    loop = Loop(server)
+    flood = [connect(server) for _ in range(ACCEPTS_PER_EVENT + 10)]
+    try:
+        server.on_listener_event(0)
+        closed = sum(n for name, n in server.counts.items() if name.startswith(("evicted", "ref")))
+        assert len(server.clients) + closed == ACCEPTS_PER_EVENT
+    finally:
+        for sock in flood:
+            sock.close()
+        loop.close()
+
+
+def test_over_the_accept_budget_the_listener_pauses_then_comes_back(clock: Clock) -> None:
+    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
+                           clock=clock, limits=UNLIMITED)
+    server.accepts = TokenBucket(rate=100, burst=3, now=clock.now)
+    loop = Loop(server)
+    clients = [connect(server) for _ in range(5)]
+    try:
+        server.on_listener_event(0)
+        assert len(server.clients) == 4 and server.counts["accept_paused"] == 1
+        assert server.listener not in [k.fileobj for k in loop.selector.get_map().values()]
+        pause = server.paused_until
+        assert pause is not None and server.next_timeout(clock.now) == pause - clock.now
+        clock.now = pause
+        loop.run_once()  # expire() puts the listener back; the fifth gets in
+        loop.pump_until(lambda: len(server.clients) == 5)
+        assert server.paused_until is None
+    finally:
+        for sock in clients:
+            sock.close()
+        loop.close()
+
+
+def test_a_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    bucket = TokenBucket(rate=2, burst=3, now=0.0)
+    assert [bucket.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.take(0.5) and not bucket.take(0.5)
+    assert [bucket.take(100.0) for _ in range(4)] == [True, True, True, False]
+
+
+def test_admission_counts_open_clients_per_address_and_forgets_them() -> None:
+    admission = Admission(MetricsLimits(max_clients_per_address=1), now=0.0)
+    assert admission.refusal("10.0.0.1", 0.0) is None
+    admission.opened("10.0.0.1")
+    assert admission.refusal("10.0.0.1", 0.0) == "refused_address"
+    admission.closed("10.0.0.1")
+    assert admission.refusal("10.0.0.1", 0.0) is None and admission.open == {}
+    # Unix peers have no address: only the shared bucket applies.
+    admission.opened(None)
+    assert admission.refusal(None, 0.0) is None
 
 
 def test_scrapes_leak_no_file_descriptors(tcp_loop: Loop) -> None:
@@ -442,3 +664,49 @@ def test_out_of_fds_the_listener_rests_instead_of_spinning(
     tcp_loop.pump_until(answered)
     assert split(bytes(received))[0] == 200 and server.resting.until is None
     client.close()
+
+
+# ---- its own counts, on the page ----------------------------------------------------------
+
+
+def test_the_endpoints_and_the_log_sinks_counts_have_families_of_their_own() -> None:
+    stats = realistic_stats()
+    stats["events"] = {**stats["events"], "metrics_served": 7, "metrics_evicted": 3,
+                       "metrics_refused_rate": 2, "log_write_errors": 5,
+                       "log_lines_dropped": 40}
+    families = {f.name: f for f in text_string_to_metric_families(render(stats).decode())}
+
+    def value(family: str, **labels: str) -> float:
+        return next(s.value for s in families[family].samples
+                    if s.name.endswith("_total") and s.labels == labels)
+
+    assert value("kvprefetchd_metrics_scrapes", result="served") == 7
+    assert value("kvprefetchd_metrics_scrapes", result="bad") == 0  # known results from 0
+    assert value("kvprefetchd_metrics_connections_closed", reason="evicted") == 3
+    assert value("kvprefetchd_metrics_connections_closed", reason="refused_rate") == 2
+    assert value("kvprefetchd_log_write_errors") == 5
+    assert value("kvprefetchd_log_lines_dropped") == 40
+    assert value("kvprefetchd_log_sink_replaced") == 0
+    assert value("kvprefetchd_metrics_accept_pauses") == 0
+    generic = {s.labels["event"] for s in families["kvprefetchd_events"].samples}
+    assert generic == {"connections_refused", "reload_refused", "reloads"}
+
+
+# ---- its configuration -------------------------------------------------------------------
+
+
+def test_the_config_keys_give_the_limits_and_are_bounded() -> None:
+    limits = MetricsLimits.from_config(build_config({}, {}))
+    assert limits == MetricsLimits()  # the keys' defaults are the endpoint's
+    config = build_config({"metrics_header_timeout": 0.2, "metrics_rate": 50,
+                           "metrics_rate_per_address": 2, "metrics_cache_seconds": 0,
+                           "metrics_max_clients_per_address": 1}, {})
+    assert MetricsLimits.from_config(config) == MetricsLimits(
+        header_timeout=0.2, rate=50, rate_per_address=2, cache_seconds=0,
+        max_clients_per_address=1)
+    for key, bad in (("metrics_header_timeout", 0), ("metrics_header_timeout", 11),
+                     ("metrics_cache_seconds", -1), ("metrics_rate", 0),
+                     ("metrics_rate_per_address", 0), ("metrics_max_clients_per_address", 33),
+                     ("metrics_rate", True)):
+        with pytest.raises(ConfigError, match=key):
+            build_config({key: bad}, {})

@@ -133,6 +133,80 @@ def test_the_gpu_node_layout_serves_tls_to_the_router_only() -> None:
     labels = daemonset["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"].items() <= labels.items()
     assert {p["port"] for rule in policy["ingress"] for p in rule["ports"]} == {7474, 9464}
+    router_rule = next(r for r in policy["ingress"] if r["ports"] == [{"port": 7474,
+                                                                         "protocol": "TCP"}])
+    assert router_rule["from"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "llm-d-router"}
+
+
+# ---- the metrics endpoint: the pod's own IP, behind a NetworkPolicy (issue 23, finding 7) ----
+
+EXAMPLE_POD_IP = "10.42.7.19"
+
+
+def metrics_bind(path: Path, container: dict[str, Any]) -> str:
+    """Where the daemon in this container binds metrics: KVPREFETCHD_METRICS (which the
+    daemon prefers to the config's key) with Kubernetes' $(VAR) references expanded,
+    else its ConfigMap's `metrics`."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    if "KVPREFETCHD_METRICS" not in env:
+        return str(configmap_config(path.parent).metrics)
+    value = str(env["KVPREFETCHD_METRICS"]["value"])
+    for name, entry in env.items():
+        if entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            value = value.replace(f"$({name})", EXAMPLE_POD_IP)
+    return value
+
+
+def configmaps() -> list[Path]:
+    return sorted(DEPLOY.rglob("configmap.yaml"))
+
+
+@pytest.mark.parametrize("path", configmaps(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_no_configmap_binds_metrics_to_every_interface(path: Path) -> None:
+    """The endpoint has no authentication: 0.0.0.0 exposed it to every network the node
+    is on. The config's value is the loopback fallback; the pod IP comes from the env."""
+    where = parse_metrics_address(configmap_config(path.parent).metrics)
+    assert where.host not in ("0.0.0.0", "::") and where.host.startswith("127."), where
+
+
+@pytest.mark.parametrize("path_and_spec", pods(), ids=lambda ps: ps[0].name)
+def test_every_workload_binds_metrics_to_the_pods_own_ip(
+    path_and_spec: tuple[Path, dict[str, Any]],
+) -> None:
+    path, spec = path_and_spec
+    container = daemon_container(spec)
+    where = parse_metrics_address(metrics_bind(path, container))
+    assert where.host == EXAMPLE_POD_IP, f"{path.name} binds metrics to {where}"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert where.port == ports["metrics"]
+    assert not spec.get("hostNetwork"), "the pod IP would be the node's"
+
+
+def policies(folder: Path) -> list[dict[str, Any]]:
+    return [document for path in sorted(folder.glob("*.yaml"))
+            if (document := load(path))["kind"] == "NetworkPolicy"]
+
+
+@pytest.mark.parametrize("folder", [DEPLOY, DEPLOY / "gpu-node"], ids=["gateway", "gpu-node"])
+def test_a_networkpolicy_admits_only_prometheus_to_the_metrics_port(folder: Path) -> None:
+    daemonset = load(folder / "daemonset.yaml")
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    covering = [p["spec"] for p in policies(folder)
+                if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+    assert covering, f"no NetworkPolicy selects the pods of {folder.name}/daemonset.yaml"
+    assert all("Ingress" in policy["policyTypes"] for policy in covering)
+    metrics_rules = [rule for policy in covering for rule in policy.get("ingress", [])
+                     if any(p.get("port") in (9464, "metrics") for p in rule.get("ports", []))
+                     or not rule.get("ports")]
+    assert metrics_rules, "nothing may scrape the metrics port"
+    for rule in metrics_rules:
+        assert rule.get("from"), f"a rule admits everyone to the metrics port: {rule}"
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer, peer
+            namespace = peer["namespaceSelector"]["matchLabels"]
+            assert namespace == {"kubernetes.io/metadata.name": "monitoring"}, peer
+            assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
 
 
 def test_the_podmonitor_scrapes_the_metrics_port_of_the_daemonsets_pods() -> None:
