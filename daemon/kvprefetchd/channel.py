@@ -6,8 +6,9 @@ envelope: both ends are ours. Each message is a small class; on the wire it is t
 order, so neither side indexes a message by position.
 
   supervisor -> worker   Warm: files to warm, in one warm mode, to one depth
-                         Root: a root opened since the worker started; its directory fd
-                         travels with the message (SCM_RIGHTS)
+                         Root: a root opened (or reopened) since the worker started; its
+                         directory fd travels with the message (SCM_RIGHTS), or none:
+                         the root was let go
   worker -> supervisor   Ready (booted, with its engine), BootFailed (why it cannot boot),
                          Done (outcomes since the last Done: the worker's heartbeat)
 
@@ -72,8 +73,9 @@ INSPECT_MODES = (CHECK, EVICT_HEAD, EVICT_FILE)
 
 @dataclass(slots=True)
 class Root:
-    """A root that opened after the worker was forked: `fd` is the one passed with the
-    message (SCM_RIGHTS), -1 on the wire; `rule` its KVP_RES_* code."""
+    """A root that opened, was reopened or was let go after the worker was forked: `fd`
+    is the one passed with the message (SCM_RIGHTS), -1 when none is (let go); on the
+    wire 0 says one travels beside, -1 none. `rule` its KVP_RES_* code."""
 
     KIND: ClassVar[str] = "root"
     index: int
@@ -125,7 +127,7 @@ _KINDS: dict[str, type[Message]] = {
 def encode(message: Message) -> bytes:
     fields = [getattr(message, name) for name in message.__slots__]  # declaration order
     if isinstance(message, Root):
-        fields[-1] = -1  # the fd itself goes beside the bytes (SCM_RIGHTS)
+        fields[-1] = 0 if message.fd >= 0 else -1  # the fd itself goes beside (SCM_RIGHTS)
     body: bytes = msgpack.packb([message.KIND, *fields], use_bin_type=True)
     return HEADER.pack(len(body)) + body
 
@@ -169,7 +171,7 @@ class ChannelReader:
                 if frame.payload is not None:
                     message = decode(frame.payload)
                     if isinstance(message, Root):
-                        message.fd = self._fds.popleft() if self._fds else -1
+                        message.fd = self._fds.popleft() if message.fd >= 0 and self._fds else -1
                     messages.append(message)
         return messages
 

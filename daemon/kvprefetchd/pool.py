@@ -82,7 +82,9 @@ class WorkerHandle:
     # been silent for worker_timeout since then is wedged (murder_workers).
     heard: float = field(default_factory=time.monotonic)
     handler: Callable[[int], None] | None = None  # its selector callback
-    with_fds: deque[tuple[bytes, int]] = field(default_factory=deque)  # wait for output
+    # Root messages, each with an fd beside it (our own copy, closed once sent; -1 for
+    # none), behind `output`.
+    with_fds: deque[tuple[bytes, int]] = field(default_factory=deque)
     queue: dict[str, Any] = field(default_factory=dict)  # its queue engines, as last said
     watched: int = selectors.EVENT_READ  # the selector events registered for it now
 
@@ -98,6 +100,14 @@ def engines_by_mode(config: Config) -> dict[str, tuple[EngineSpec, ...]]:
         except NoEngine as error:
             log.warning("%s mode for model profiles unavailable: %s", other, error)
     return choices
+
+
+def drop_fds(handle: WorkerHandle) -> None:
+    """Close the fd copies still waiting to go to a worker that is gone or going."""
+    while handle.with_fds:
+        fd = handle.with_fds.popleft()[1]
+        if fd >= 0:
+            os.close(fd)
 
 
 def _reaped_by(pid: int, deadline: float) -> bool:
@@ -139,6 +149,10 @@ class WorkerPool:
         # lower bound of every busy worker's deadline), so the loop sleeps until then.
         self.wedge_check_due = time.monotonic() + config.worker_timeout
         self.respawn_due: dict[int, float] = {}  # worker index -> when to try again
+        # Roots whose change could not be sent to every worker (out of fds), sent again
+        # to all at roots_due.
+        self.roots_owed: set[int] = set()
+        self.roots_due = 0.0
 
     # ---- spawning ----------------------------------------------------------------------------
 
@@ -160,6 +174,7 @@ class WorkerPool:
                 initial_depth=config.initial_depth,
                 max_in_flight=config.max_in_flight,
                 file_timeout=config.file_timeout,
+                other_mount_threads=config.other_mount_threads,
             ),
             dedup_ttl=config.dedup_ttl_ms / 1000.0,
             dedup_entries=config.dedup_entries,
@@ -248,6 +263,7 @@ class WorkerPool:
         warm_mode: str, deadline: float = 0.0, flags: int = 0,
     ) -> None:
         """Book each worker's share of a request and send it."""
+        self.roots.wanted(shares)  # a root named there that is not open: looked at now
         now = time.monotonic()
         for index, share in enumerate(shares):
             handle = self.workers[index]
@@ -264,12 +280,26 @@ class WorkerPool:
         self.flush(handle)
 
     def add_root(self, state: RootState) -> None:
-        """A root opened after the workers started: its fd goes to each of them beside a
-        Root message (later workers inherit it)."""
+        """A root opened, reopened or let go after the workers started: each hears of it in
+        a Root message, with a copy of its fd beside it (none when let go); a worker puts
+        the new directory under the number it held the old one at. Later workers inherit
+        the supervisor's fd."""
         for handle in self.workers:
-            if handle is not None:
-                handle.with_fds.append((encode(Root(state.index, state.code)), state.fd))
-                self.flush(handle)
+            if handle is None:
+                continue
+            # In line with the Root messages before it (let go after opened, not before);
+            # a copy of the fd, since the supervisor's may be let go before this is sent.
+            try:
+                copy = os.dup(state.fd) if state.fd >= 0 else -1
+            except OSError as error:  # out of fds: sent again (to all, harmless) later
+                if state.index not in self.roots_owed:
+                    log.error("root %s: cannot hand its new fd to the workers (%s); trying "
+                              "again every %.0f s", state.path, error.strerror, RESPAWN_RETRY)
+                self.roots_owed.add(state.index)
+                self.roots_due = time.monotonic() + RESPAWN_RETRY
+                continue
+            handle.with_fds.append((encode(Root(state.index, state.code, copy)), copy))
+            self.flush(handle)
 
     def flush(self, handle: WorkerHandle) -> None:
         while handle.output or handle.with_fds:
@@ -281,15 +311,17 @@ class WorkerPool:
                 # A message with an fd starts only once what came before it is out, so
                 # the fd goes with that message's first byte (channel.send_with_fd).
                 data, fd = handle.with_fds[0]
-                sent = send_with_fd(handle.sock, data, fd)
+                sent = send_with_fd(handle.sock, data, fd) if fd >= 0 else handle.sock.send(data)
                 handle.with_fds.popleft()
+                if fd >= 0:
+                    os.close(fd)
                 handle.output += data[sent:]
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as error:
                 if error.errno in (errno.EPIPE, errno.ECONNRESET):
                     handle.output.clear()  # it is dying; SIGCHLD settles its books
-                    handle.with_fds.clear()
+                    drop_fds(handle)
                     break
                 raise
         waiting = handle.output or handle.with_fds
@@ -400,6 +432,7 @@ class WorkerPool:
         # Any outcomes it managed to send before dying still count.
         self.on_messages(handle, handle.reader.read_available())
         handle.sock.close()
+        drop_fds(handle)
         self.settled.extend(self.books.fail_worker(handle.index))
 
     def murder_workers(self, now: float) -> None:
@@ -450,6 +483,8 @@ class WorkerPool:
 
     def next_due(self, now: float) -> float | None:
         dues = list(self.respawn_due.values())
+        if self.roots_owed:
+            dues.append(self.roots_due)
         if self.config.worker_timeout:
             dues.append(self.wedge_check_due)
         return max(0.0, min(dues) - now) if dues else None
@@ -462,6 +497,10 @@ class WorkerPool:
         for index, due in list(self.respawn_due.items()):
             if due <= now and not self.stopping:
                 self.respawn(index)
+        if self.roots_owed and now >= self.roots_due:
+            owed, self.roots_owed = self.roots_owed, set()
+            for index in sorted(owed):
+                self.add_root(self.roots.states[index])
 
     def apply(self, config: Config) -> None:
         self.config = config
@@ -501,4 +540,5 @@ class WorkerPool:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(handle.sock)
             handle.sock.close()
+            drop_fds(handle)
         self.workers = [None] * len(self.workers)

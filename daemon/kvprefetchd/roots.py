@@ -6,9 +6,11 @@ connector first writes), any local user could create it as a symlink to /root, a
 daemon running as root that follows it reads there. So a root is opened by walking its
 path one component at a time from "/", with O_NOFOLLOW at every step, checking who could
 have put each component there, and the directory fd that results is what the workers
-resolve beneath (openat2 RESOLVE_BENEATH) for the daemon's whole life: a later rename or
-swap of the path changes nothing, and a respawned worker inherits the same fd instead of
-resolving the path again.
+resolve beneath (openat2 RESOLVE_BENEATH): a respawned worker inherits the same fd
+instead of resolving the path again. The same walk, repeated (rootset.py), is the only
+way a root's directory changes: a directory removed and made again, or a file system
+mounted over the path, is reopened through it with every check, while a symlink planted
+at the path is refused and changes nothing.
 
 The check (on unless `root_path_checks = false`): every directory that holds the next
 component must be owned by root or by the daemon's user and writable by no one else,

@@ -2,22 +2,28 @@
 
 The supervisor's one thread must never wait on a file system: on a hung mount a
 directory listing or a stat sleeps uninterruptibly (no replies, no signals acted on,
-not even SIGKILL until the tier answers). So every such touch (opening a root, KV
-fingerprint discovery, the stale-profile scan) is a task the supervisor hands to the
-scout, a forked child that runs one task at a time and answers over a socketpair. The
-supervisor waits for no answer: each task carries a callback and a deadline. A scout
-that misses a deadline is presumed stuck in the kernel: it is SIGKILLed and replaced,
-and it is tracked (stuck.py) until the kernel lets it go; tasks behind it fail with
-the reason, and the callers answer their clients with it.
+not even SIGKILL until the tier answers). So every such touch (opening and
+revalidating a root, KV fingerprint discovery, the stale-profile scan) is a task the
+supervisor hands to a scout, a forked child that runs one task at a time and answers
+over a socketpair. The supervisor waits for no answer: each task carries a callback and
+a deadline. A scout that misses a deadline is presumed stuck in the kernel: it is
+SIGKILLed and replaced, and it is tracked (stuck.py) until the kernel lets it go; tasks
+behind it fail with the reason, and the callers answer their clients with it.
+
+Scouts run in lanes, each its own process and queue: the KV tasks share one (MAIN), and
+each root has its own (rootset.py), so a root whose file system hangs holds only its
+own lane, and every other root opens and is checked at once whatever it does.
 
 Tasks and results are pickled: both ends are this program, forked, and what a task
 carries (a parsed profile, a path) was built by the supervisor, never unpickled from
-a client's bytes.
+a client's bytes. An fd travels beside a task or a result (SCM_RIGHTS): the root a
+revalidation compares with, the root an OpenRoot opened.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -31,7 +37,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -45,6 +51,8 @@ log = logging.getLogger("kvprefetchd.scout")
 
 HEADER = struct.Struct(">I")
 MAX_REPLY_BYTES = 64 << 20  # a listing of a huge root_dir; anything larger is a bug
+MAX_FDS = 4  # fds one message may carry (a task or a result carries at most one)
+MAIN = "main"  # the lane of every task not given one (the KV service's)
 
 
 # ---- tasks (run in the scout) ------------------------------------------------------------
@@ -52,13 +60,18 @@ MAX_REPLY_BYTES = 64 << 20  # a listing of a huge root_dir; anything larger is a
 
 @dataclass(frozen=True)
 class OpenRoot:
-    """Open an allowed root without following symlinks (roots.py) and choose its rule."""
+    """Open an allowed root without following symlinks (roots.py) and choose its rule.
+
+    Given the fd the daemon holds for the root (passed with the task), it is a check:
+    Unchanged while the path still leads to that very directory, else the directory the
+    path leads to now, with why the held one is no longer it (Passed.replaced)."""
 
     path: str
     residency: str  # configured: auto, tier, pagecache or off
     checks: bool = True
 
-    def run(self) -> Any:
+    def run(self, fds: Sequence[int] = ()) -> Any:
+        held = fds[0] if fds else -1
         try:
             fd = open_root(self.path, checks=self.checks, trust=Trust.here())
         except RootMissing as missing:
@@ -67,7 +80,40 @@ class OpenRoot:
             return Failed("refused", str(refused))
         except OSError as error:
             return Failed("error", f"root {self.path}: {error.strerror}")
-        return Passed(rule_for_fd(fd, self.path, self.residency), fd)
+        try:
+            replaced = replaced_because(fd, held) if held >= 0 else ""
+            if held >= 0 and not replaced:
+                os.close(fd)
+                return Unchanged()
+            return Passed(rule_for_fd(fd, self.path, self.residency), fd, replaced)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+
+
+def replaced_because(fd: int, held: int) -> str:
+    """Why the directory `held` is no longer the one the path leads to now (`fd`, just
+    opened); "" while it still is.
+
+    A removed directory lives on while an fd holds it, with no links left, and ext4 may
+    give its inode number to the next directory made: the link count is looked at before
+    the identity. A FUSE mount whose server went away answers ENOTCONN (and a file
+    system torn down, ENODEV) to the fstat or the fstatfs of what it held.
+    """
+    now = os.fstat(fd)
+    try:
+        was = os.fstat(held)
+        if was.st_nlink == 0:
+            return "the directory held was removed"
+        if (was.st_dev, was.st_ino) != (now.st_dev, now.st_ino):
+            return (f"the path leads to another directory now, device "
+                    f"{os.major(now.st_dev)}:{os.minor(now.st_dev)} inode {now.st_ino}, "
+                    f"not {os.major(was.st_dev)}:{os.minor(was.st_dev)} inode {was.st_ino}")
+        os.fstatvfs(held)
+    except OSError as error:
+        return f"the file system held is gone ({error.strerror})"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -77,7 +123,7 @@ class ProfileTask:
     profile: kv.Profile
     roots: tuple[str, ...]
 
-    def run(self) -> Any:
+    def run(self, fds: Sequence[int] = ()) -> Any:
         if not real_path_beneath(self.profile.layout.root_dir, self.roots):
             return Failed("refused", not_beneath(self.profile))
         try:
@@ -116,7 +162,9 @@ Task = OpenRoot | Discover | Scan
 
 @dataclass(frozen=True)
 class Failed:
-    """A task's honest failure; `kind` "timeout" when the scout did not answer in time."""
+    """A task's honest failure; `kind` "timeout" when the scout did not answer in time,
+    "unavailable" when no scout could be asked (the supervisor is out of fds or
+    processes: nothing was looked at)."""
 
     kind: str
     message: str
@@ -124,10 +172,17 @@ class Failed:
 
 @dataclass(frozen=True)
 class Passed:
-    """A root opened: its rule, and its fd (passed over the socket with SCM_RIGHTS)."""
+    """A root opened: its rule, and its fd (passed over the socket with SCM_RIGHTS);
+    `replaced`: why the directory held until now is no longer the root (a check)."""
 
     rule: RootRule
     fd: int = -1
+    replaced: str = ""
+
+
+@dataclass(frozen=True)
+class Unchanged:
+    """A check found the root's path leading to the very directory held."""
 
 
 def real_path_beneath(path: str, roots: tuple[str, ...]) -> bool:
@@ -150,7 +205,7 @@ def not_beneath(profile: kv.Profile) -> str:
 # ---- the scout process -----------------------------------------------------------------
 
 
-def send_message(sock: socket.socket, payload: Any, fds: tuple[int, ...] = ()) -> None:
+def send_message(sock: socket.socket, payload: Any, fds: Sequence[int] = ()) -> None:
     body = pickle.dumps(payload)
     data = HEADER.pack(len(body)) + body
     sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
@@ -161,7 +216,7 @@ def send_message(sock: socket.socket, payload: Any, fds: tuple[int, ...] = ()) -
 def recv_exact(sock: socket.socket, count: int, fds: list[int]) -> bytes:
     data = bytearray()
     while len(data) < count:
-        chunk, got, _, _ = socket.recv_fds(sock, count - len(data), 4)
+        chunk, got, _, _ = socket.recv_fds(sock, count - len(data), MAX_FDS)
         if not chunk:
             raise EOFError("the other end closed")
         fds.extend(got)
@@ -169,7 +224,7 @@ def recv_exact(sock: socket.socket, count: int, fds: list[int]) -> bytes:
     return bytes(data)
 
 
-def scout_main(sock: socket.socket) -> NoReturn:
+def scout_main(sock: socket.socket, lane: str) -> NoReturn:
     """The child: run each task in turn, answer with its result (and an fd if it made one)."""
     status = 0
     try:
@@ -182,12 +237,18 @@ def scout_main(sock: socket.socket) -> NoReturn:
         with contextlib.suppress(ImportError):
             import setproctitle
 
-            setproctitle.setproctitle("kvprefetchd: scout")
+            setproctitle.setproctitle(
+                "kvprefetchd: scout" if lane == MAIN else f"kvprefetchd: scout ({lane})")
         sock.setblocking(True)
         while True:
-            (length,) = HEADER.unpack(recv_exact(sock, HEADER.size, []))
-            number, task = pickle.loads(recv_exact(sock, length, []))
-            result = task.run()
+            fds: list[int] = []  # the fds a task came with: its own, closed after it ran
+            (length,) = HEADER.unpack(recv_exact(sock, HEADER.size, fds))
+            number, task = pickle.loads(recv_exact(sock, length, fds))
+            try:
+                result = task.run(fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
             if isinstance(result, Passed) and result.fd >= 0:
                 send_message(sock, (number, result), (result.fd,))
                 os.close(result.fd)
@@ -211,7 +272,14 @@ class Pending:
     number: int
     task: Task
     callback: Callable[[Any], None]
+    fds: tuple[int, ...] = ()  # the task's own copies, closed once sent (or failed)
     deadline: float = 0.0  # set when sent
+
+    def close_fds(self) -> None:
+        fds, self.fds = self.fds, ()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass
@@ -222,31 +290,40 @@ class ScoutProcess:
     fds: list[int] = field(default_factory=list)
 
 
-class Scout:
-    """Hands tasks to the scout process one at a time; answers each through its callback.
+class Lane:
+    """One scout process and the tasks waiting for it, sent one at a time; each answered
+    through its callback.
 
     A task not answered within `timeout` seconds is answered Failed("timeout"), and so
     is every task queued behind it; the stuck scout is killed, tracked, and replaced. At
-    most `max_stuck` scouts may be stuck at once: beyond that, tasks fail at once (the
-    file systems under the roots are not answering), so a dead tier cannot make the
-    daemon fork without end.
+    most `max_stuck` of this lane's scouts may be stuck at once: beyond that, its tasks
+    fail at once (the file system it touches is not answering), so a dead tier cannot
+    make the daemon fork without end.
     """
 
-    def __init__(self, selector: selectors.BaseSelector, stuck: Stuck, timeout: float,
-                 max_stuck: int = 4) -> None:
+    def __init__(self, name: str, selector: selectors.BaseSelector, stuck: Stuck,
+                 timeout: float, max_stuck: int, counts: dict[str, int]) -> None:
+        self.name = name
         self.selector = selector
         self.stuck = stuck
         self.timeout = timeout
         self.max_stuck = max_stuck
+        self.counts = counts  # shared by every lane: the stats' `scout`
         self.process: ScoutProcess | None = None
         self.queue: deque[Pending] = deque()
         self.current: Pending | None = None
-        self.numbers = itertools.count(1)
-        self.counts = {"tasks": 0, "timeouts": 0, "restarts": 0}
+        self.stuck_pids: set[int] = set()  # this lane's scouts the kernel still holds
 
-    def ask(self, task: Task, callback: Callable[[Any], None]) -> None:
-        self.counts["tasks"] += 1
-        self.queue.append(Pending(next(self.numbers), task, callback))
+    @property
+    def busy(self) -> bool:
+        return self.current is not None or bool(self.queue)
+
+    def stuck_count(self) -> int:
+        self.stuck_pids = {pid for pid in self.stuck_pids if pid in self.stuck.children}
+        return len(self.stuck_pids)
+
+    def add(self, pending: Pending) -> None:
+        self.queue.append(pending)
         self.pump()
 
     def pump(self) -> None:
@@ -254,28 +331,41 @@ class Scout:
         if self.current is not None or not self.queue:
             return
         if self.process is None:
-            if self.stuck.count("scout") >= self.max_stuck:
-                self.fail_all(f"{self.stuck.count('scout')} scouts are stuck in the kernel: "
-                              "a file system under the roots is not answering")
+            stuck = self.stuck_count()
+            if stuck >= self.max_stuck:
+                self.fail_all(f"{stuck} scouts are stuck in the kernel: a file system "
+                              f"{'under the roots' if self.name == MAIN else 'of ' + self.name} "
+                              "is not answering")
                 return
-            self.spawn()
+            try:
+                self.spawn()
+            except OSError as error:  # out of fds or processes: nothing is looked at now
+                self.fail_all(f"cannot start a scout: {error.strerror}", "unavailable")
+                return
         assert self.process is not None
         pending = self.queue.popleft()
         pending.deadline = time.monotonic() + self.timeout if self.timeout else math.inf
         self.current = pending
         try:
-            send_message(self.process.sock, (pending.number, pending.task))
+            send_message(self.process.sock, (pending.number, pending.task), pending.fds)
         except OSError:
             self.lost("the scout went away")
+        finally:
+            pending.close_fds()
 
     def spawn(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            raise
         if pid == 0:  # pragma: no cover - the child never returns here
             ours.close()
-            scout_main(theirs)
+            scout_main(theirs, self.name)
         theirs.close()
         ours.setblocking(False)
         self.process = ScoutProcess(pid, ours)
@@ -285,7 +375,7 @@ class Scout:
     def on_event(self, process: ScoutProcess, _events: int) -> None:
         while True:
             try:
-                chunk, fds, _, _ = socket.recv_fds(process.sock, 1 << 16, 4)
+                chunk, fds, _, _ = socket.recv_fds(process.sock, 1 << 16, MAX_FDS)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -309,7 +399,8 @@ class Scout:
             number, result = pickle.loads(bytes(process.buffer[HEADER.size:HEADER.size + length]))
             del process.buffer[:HEADER.size + length]
             if isinstance(result, Passed) and result.fd >= 0:
-                result = Passed(result.rule, process.fds.pop(0) if process.fds else -1)
+                result = dataclasses.replace(
+                    result, fd=process.fds.pop(0) if process.fds else -1)
             current = self.current
             if current is None or current.number != number:
                 if isinstance(result, Passed) and result.fd >= 0:
@@ -330,16 +421,20 @@ class Scout:
                 os.close(fd)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGKILL)
-            self.stuck.add(process.pid, "scout", why)
+            self.stuck.add(process.pid, "scout", why if self.name == MAIN
+                           else f"{self.name}: {why}")
+            self.stuck_pids.add(process.pid)
             self.counts["restarts"] += 1
         current, self.current = self.current, None
         if current is not None:
             current.callback(Failed("timeout", why))
         self.pump()
 
-    def fail_all(self, why: str) -> None:
+    def fail_all(self, why: str, kind: str = "timeout") -> None:
         while self.queue:
-            self.queue.popleft().callback(Failed("timeout", why))
+            pending = self.queue.popleft()
+            pending.close_fds()
+            pending.callback(Failed(kind, why))
 
     def next_due(self, now: float) -> float | None:
         if self.current is None or self.current.deadline == math.inf:
@@ -350,25 +445,86 @@ class Scout:
         if self.current is not None and now >= self.current.deadline:
             self.counts["timeouts"] += 1
             what = type(self.current.task).__name__
-            log.warning("the scout did not finish %s within %.0f s (a file system is not "
-                        "answering); it is replaced", what, self.timeout)
+            log.warning("the scout%s did not finish %s within %.0f s (a file system is not "
+                        "answering); it is replaced",
+                        "" if self.name == MAIN else f" of {self.name}", what, self.timeout)
             self.lost(f"no answer within {self.timeout:.0f} s (the file system may hang)")
 
     def child_exited(self, pid: int) -> bool:
-        """SIGCHLD: True when pid was the live scout (it is replaced on the next task)."""
         if self.process is not None and self.process.pid == pid:
             self.lost("the scout exited")
             return True
         return False
 
     def stop(self) -> None:
+        for pending in self.queue:
+            pending.close_fds()
+        self.queue.clear()
         process, self.process = self.process, None
         if process is None:
             return
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(process.sock)
-        process.sock.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGKILL)
-        self.stuck.add(process.pid, "scout", "stopping")  # reaped with the other children
+        process.sock.close()  # an idle scout reads EOF and exits (reaped with the others)
+        for fd in process.fds:
+            os.close(fd)
+        if self.current is not None:  # it may be stuck in a file system: killed, tracked
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            self.stuck.add(process.pid, "scout", "stopping")
 
+
+class Scout:
+    """The scout lanes, made on first use: MAIN for the KV service's tasks, one per root
+    (rootset.py). Each answers its tasks in turn; no lane waits for another."""
+
+    def __init__(self, selector: selectors.BaseSelector, stuck: Stuck, timeout: float,
+                 max_stuck: int = 4) -> None:
+        self.selector = selector
+        self.stuck = stuck
+        self.timeout = timeout
+        self.max_stuck = max_stuck
+        self.lanes: dict[str, Lane] = {}
+        self.numbers = itertools.count(1)
+        self.counts = {"tasks": 0, "timeouts": 0, "restarts": 0}
+
+    def lane(self, name: str = MAIN, max_stuck: int | None = None) -> Lane:
+        """The lane `name`, made now if need be (with `max_stuck`, else the scout's)."""
+        lane = self.lanes.get(name)
+        if lane is None:
+            lane = self.lanes[name] = Lane(
+                name, self.selector, self.stuck, self.timeout,
+                self.max_stuck if max_stuck is None else max_stuck, self.counts)
+        return lane
+
+    def ask(self, task: Task, callback: Callable[[Any], None], *, lane: str = MAIN,
+            fds: Sequence[int] = ()) -> None:
+        """Run `task` on `lane`, with copies of `fds` beside it; `callback` gets the
+        result (or Failed)."""
+        self.counts["tasks"] += 1
+        pending = Pending(next(self.numbers), task, callback)
+        try:
+            for fd in fds:  # copies, ours until sent: the caller's may be closed meanwhile
+                pending.fds += (os.dup(fd),)
+        except OSError as error:
+            pending.close_fds()
+            callback(Failed("unavailable", f"cannot pass an fd to a scout: {error.strerror}"))
+            return
+        self.lane(lane).add(pending)
+
+    def next_due(self, now: float) -> float | None:
+        dues = [due for lane in self.lanes.values()
+                if (due := lane.next_due(now)) is not None]
+        return min(dues) if dues else None
+
+    def tick(self, now: float) -> None:
+        for lane in list(self.lanes.values()):
+            lane.tick(now)
+
+    def child_exited(self, pid: int) -> bool:
+        """SIGCHLD: True when pid was a live scout (replaced on its lane's next task)."""
+        return any(lane.child_exited(pid) for lane in list(self.lanes.values()))
+
+    def stop(self) -> None:
+        for lane in self.lanes.values():
+            lane.stop()

@@ -30,8 +30,10 @@ from kvprefetchd import exposition, systemd
 from kvprefetchd.books import Books
 from kvprefetchd.config import Config, ConfigError, merge_reload
 from kvprefetchd.kvservice import KVService
-from kvprefetchd.logs import stderr_handler
+from kvprefetchd.logs import LogPump
+from kvprefetchd.logs import counters as log_counters
 from kvprefetchd.metrics_http import MetricsServer
+from kvprefetchd.metrics_limits import MetricsLimits
 from kvprefetchd.ops import Ops
 from kvprefetchd.pool import BOOT_TIMEOUT, HaltError, WorkerPool
 from kvprefetchd.rootset import RootSet, RootState
@@ -52,9 +54,11 @@ FLUSH_SECONDS = 0.5
 STOP_SECONDS = 5.0
 HALT_SECONDS = 1.5
 EXIT_MARGIN = 0.3
-# How long start-up waits for the roots to open (the scout answers each one) before it
-# serves without those that have not: they are tried again in the background.
-ROOTS_TIMEOUT = 5.0
+# How long start-up waits for the roots to open (a scout lane answers each one, while the
+# workers boot) before it serves without those that have not: they are served once they
+# answer. Each root opens on its own lane, so this only bounds how long a root that hangs
+# delays READY; a healthy root is open long before.
+ROOTS_TIMEOUT = 2.0
 
 
 class Supervisor:
@@ -71,7 +75,7 @@ class Supervisor:
         self.selector = selectors.DefaultSelector()
         self.stuck = Stuck()
         self.scout = Scout(self.selector, self.stuck, config.fs_timeout)
-        self.roots = RootSet(config, self.scout, self.root_opened)
+        self.roots = RootSet(config, self.scout, self.root_changed)
         self.events: Counter[str] = Counter()  # reloads, refused peers, paused accepts ...
         self.books = Books(config.worker_count)
         self.kv = KVService.from_config(config, self.scout)
@@ -85,7 +89,7 @@ class Supervisor:
         self.stopping = False
         self.stop_at: float | None = None  # when SIGTERM came (monotonic)
         self.serving = False
-        self.log_watched = False  # stderr's fd is in the selector (see watch_log)
+        self.log_pump = LogPump(self.selector)  # held log lines: flushed, retried
         self._wakeup_r, self._wakeup_w = socket.socketpair()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -95,15 +99,19 @@ class Supervisor:
         self.install_signals()
         self.server.listen(self.listener)
         try:
-            self.open_roots()
+            self.roots.watch_mounts(self.selector)
+            self.roots.open_all()
+            roots_deadline = time.monotonic() + ROOTS_TIMEOUT
             self.log_engine()
             self.pool.spawn_all()
             self.wait_for_workers()
+            self.wait_for_roots(roots_deadline)
             self.server.start_accepting()
             if self.config.metrics:
                 self.metrics = MetricsServer.open(
                     self.config.metrics,
                     lambda openmetrics: exposition.render(self.stats(), openmetrics=openmetrics),
+                    limits=MetricsLimits.from_config(self.config),
                 )
                 self.metrics.attach(self.selector)
             workers = len(self.pool.workers)
@@ -122,22 +130,24 @@ class Supervisor:
         finally:
             self.halt()
 
-    def open_roots(self) -> None:
-        """Have the scout open every root, and wait for its answers (at most ROOTS_TIMEOUT:
-        a root that does not answer is served once it does). A root refused at start (a
-        symlink, a directory another user could swap) stops the daemon with the reason."""
-        self.roots.open_all()
-        deadline = time.monotonic() + ROOTS_TIMEOUT
+    def wait_for_roots(self, deadline: float) -> None:
+        """Wait for every root's first answer until `deadline` (a root that does not answer
+        is served once it does). A root refused at start (a symlink, a directory another
+        user could swap) stops the daemon with the reason."""
         while not self.roots.settled() and not self.stopping and time.monotonic() < deadline:
             self.run_once(min(0.1, max(0.0, deadline - time.monotonic())))
+        for state in self.roots.states:
+            if state.status == "opening":
+                log.warning("root %s has not answered yet: served once it does (its files "
+                            "are missing until then)", state.path)
         refused = self.roots.refused()
         if refused:
             raise HaltError("; ".join(state.message for state in refused))
 
-    def root_opened(self, state: RootState) -> None:
-        """A root opened: workers forked from now inherit it; those running get its fd."""
-        if self.serving or any(self.pool.workers):
-            log.info("root %s is open now: its files are served", state.path)
+    def root_changed(self, state: RootState) -> None:
+        """A root opened, reopened or let go (rootset.py logs it): workers forked from now
+        inherit its fd; those running are sent it."""
+        if any(self.pool.workers):
             self.pool.add_root(state)
 
     def log_engine(self) -> None:
@@ -160,7 +170,10 @@ class Supervisor:
         return build_stats(
             started=self.started, warm_mode=self.config.warm_mode, ops=self.ops,
             pool=self.pool, books=self.books, server=self.server, kv=self.kv,
-            roots=self.roots, stuck=self.stuck, scout=self.scout, events=self.events,
+            roots=self.roots, stuck=self.stuck, scout=self.scout,
+            # The log sink's and the metrics endpoint's counts ride along as events.
+            events={**self.events, **log_counters(),
+                    **(self.metrics.events() if self.metrics is not None else {})},
         )
 
     # ---- signals and reload ------------------------------------------------------------------
@@ -254,6 +267,7 @@ class Supervisor:
             self.roots.next_due(now),
             self.metrics.next_timeout(now) if self.metrics is not None else None,
             self.watchdog.timeout(now),
+            self.log_pump.next_due(now),
         ]
         known = [due for due in dues if due is not None]
         return min(known) if known else None
@@ -274,20 +288,7 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.expire(now)
         self.watchdog.tick(now)
-        self.watch_log()
-
-    def watch_log(self) -> None:
-        """While stderr is full (nobody reads it), flush held log lines when it drains."""
-        handler = stderr_handler()
-        wanted = handler is not None and bool(handler.pending)
-        if wanted == self.log_watched or handler is None:
-            return
-        self.log_watched = wanted
-        if wanted:
-            self.selector.register(handler.fileno(), selectors.EVENT_WRITE,
-                                   lambda _events: handler.flush())
-        else:
-            self.selector.unregister(handler.fileno())
+        self.log_pump.tick(now)
 
     # ---- shutdown --------------------------------------------------------------------------
 
