@@ -10,6 +10,15 @@
  * (needed by cachestat and fadvise: an O_PATH fd is refused, EBADF), cachestat
  * and fadvise leave atime alone, so `check` is safe on storage whose cleaners
  * go by atime.
+ *
+ * It runs on a worker's own thread, which a file system that never answers
+ * would hold (a hung FUSE server: the stuck-worker cap then leaves no worker
+ * for any root).  The root's own file system is the operator's choice of
+ * root; a mount beneath it (a FUSE or NFS mount in a subdirectory) is not: a
+ * name there is never looked up here (the lookup stays on the root's mount:
+ * open.c, no_xdev) and is settled FAILED with EXDEV, `other_mount` in the
+ * protocol (docs/protocol.md, "Check states").  Warm-ups of such names still
+ * go to the queue, whose threads time out instead of the worker.
  */
 #include "internal.h"
 
@@ -25,6 +34,13 @@ static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
 static void probe(void)
 {
     kvp_open_probe(&probed);
+    probed.no_xdev = 1;
+}
+
+void kvp_inspect_force_fallback(int32_t which)
+{
+    pthread_once(&probe_once, probe);
+    kvp_ctx_force_fallback(&probed, which);
 }
 
 /* The item's lookup outcome (KVP_OUT_*) as a check state. */

@@ -38,6 +38,7 @@ struct kvp_ctx {
     void *engine_data;               /* the engine's own: its setup makes it, teardown frees */
     int have_openat2;                /* probed once: openat2(2) is Linux 5.6+ */
     int have_proc;                   /* /proc/self/fd usable for the race-free reopen */
+    int no_xdev;                     /* resolve on root_fd's own mount only (open.c resolve) */
     int broken;                      /* errno that made the engine unusable; later batches fail */
     char *scratch;                   /* threads x chunk; the data is thrown away */
     size_t scratch_len;
@@ -86,7 +87,10 @@ void kvp_open_probe(struct kvp_ctx *c);
  * MISSING / REJECTED / FAILED). */
 int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span);
 /* Resolve and verify one item: an O_PATH fd of a regular file, its stat in *st
- * and it->size set; or -1 with the item settled (MISSING / REJECTED / FAILED). */
+ * and it->size set; or -1 with the item settled (MISSING / REJECTED / FAILED).
+ * With c->no_xdev, a name on another mount beneath the root is settled FAILED
+ * with EXDEV without a call into that mount's file system; an escape (a
+ * symlink out of the root) stays REJECTED with EXDEV. */
 int kvp_item_lookup(const struct kvp_ctx *c, struct kvp_item *it, struct stat *st);
 /* Reopen lookup's O_PATH fd (closed here) as a read fd (O_NOATIME with
  * KVP_ITEM_NOATIME where permitted): the fd, or -errno. */

@@ -113,7 +113,9 @@ int kvp_run_batch(struct kvp_ctx *ctx, struct kvp_item *items, size_t n);
  * flight follow each root's file system (native/depthctl.c).  A worker polls
  * kvp_queue_fd (an eventfd, readable while outcomes wait), reaps, and calls
  * kvp_queue_tick a few times a second while files are out, which marks stalled
- * reads and settles those past the deadline (FAILED, ETIMEDOUT).
+ * reads and settles those past the deadline (FAILED, ETIMEDOUT).  Files behind
+ * another mount beneath their root are read in a lane of their own with a few
+ * threads, never ahead of the root's own files (queue.c's header).
  */
 struct kvp_queue_config {
     int32_t advise;          /* nonzero: posix_fadvise(WILLNEED) each head, then confirm */
@@ -122,21 +124,31 @@ struct kvp_queue_config {
     uint32_t initial_depth;  /* reads in flight per root to start from */
     uint32_t max_threads;    /* threads at most, stalled ones included (at most 4096) */
     uint64_t timeout_ns;     /* a file not settled this long after submission fails; 0: never */
+    uint32_t other_mount_threads;  /* the other-mount lane's threads, stuck ones included,
+                                      apart from max_threads (at most 4096; 0: 4) */
 };
 #define KVP_QUEUE_MAX_THREADS 4096
+#define KVP_QUEUE_OTHER_MOUNT_THREADS 4  /* the lane's threads when the config says 0 */
 
 struct kvp_done {            /* one settled file, as reaped */
     uint64_t tag;            /* the caller's tag from kvp_queue_submit */
     int32_t outcome;         /* KVP_OUT_* */
-    int32_t err;             /* errno behind MISSING/REJECTED/FAILED (ETIMEDOUT: timed out) */
+    int32_t err;             /* errno behind MISSING/REJECTED/FAILED (ETIMEDOUT: timed out;
+                                EHOSTDOWN: refused by the other-mount lane, all of whose
+                                threads are stuck: the protocol's `mount_unresponsive`) */
     uint64_t size;
     uint64_t done;
 };
 
 #define KVP_QUEUE_STATS_ROOTS 16
 struct kvp_queue_stats {
-    uint32_t threads, idle, pending, running, stalled, nroots;
+    uint32_t threads, idle, pending, running, stalled, nroots;  /* the roots' lanes */
     uint64_t submitted, reaped, timed_out, stalls, spawn_failures;
+    /* The other-mount lane: its threads, files waiting for one, reads running and those
+     * of them past the lane's stall time (stuck threads); files handed to it, refused
+     * by it (EHOSTDOWN) and its reads that stalled, since the queue was made. */
+    uint32_t mount_threads, mount_pending, mount_running, mount_stalled;
+    uint64_t mount_moved, mount_refused, mount_stalls;
     int32_t root_fd[16];     /* KVP_QUEUE_STATS_ROOTS: per root, its fd, depth, service time */
     uint32_t root_depth[16];
     uint32_t root_rtt_us[16];
@@ -168,9 +180,11 @@ int64_t kvp_resident_bytes(int fd, uint64_t off, uint64_t len, int32_t uptodate)
 /*
  * check and evict (native/inspect.c): look at files without reading them, or
  * drop their pages.  Each item is resolved and verified as the engines do
- * (beneath its root, regular files only); nothing is read, and neither the
- * O_PATH lookup, fstat, cachestat nor fadvise changes atime.  KVP_CHK_* are
- * the protocol's check states (docs/protocol.md, "Check states").
+ * (beneath its root, regular files only) but on the root's own mount only: a
+ * name behind another mount beneath the root is FAILED with EXDEV, its file
+ * system never asked.  Nothing is read, and neither the O_PATH lookup, fstat,
+ * cachestat nor fadvise changes atime.  KVP_CHK_* are the protocol's check
+ * states (docs/protocol.md, "Check states").
  */
 #define KVP_CHK_RESIDENT 0  /* the head is resident by the item's residency rule */
 #define KVP_CHK_COLD 1      /* it is not */
@@ -202,8 +216,9 @@ int kvp_have_cachestat(void);
  * thread and in one call, which files of a message are resident already (or
  * missing by the dentry cache's word), and hands only the rest to its engines.
  * It never waits on a file system: roots not on a local one
- * (kvp_probe_root_local 0) and names outside the dentry cache go to the
- * queue, as does everything after a slow file or past budget_ns.
+ * (kvp_probe_root_local 0), names outside the dentry cache and names behind
+ * another mount beneath the root go to the queue, as does everything after a
+ * slow file or past budget_ns.
  */
 struct kvp_probe_root {
     int32_t fd;         /* the root's O_PATH directory fd; -1: not open (never probed) */
@@ -217,8 +232,8 @@ void kvp_prober_free(struct kvp_prober *p);
  * RESOLVE_CACHED, /proc): every file then goes to the queue. */
 int kvp_prober_works(const struct kvp_prober *p);
 void kvp_prober_force_fallback(struct kvp_prober *p, int32_t which);
-/* 1 when opens beneath root_fd are answered by this kernel alone (ext2/3/4,
- * xfs, btrfs, f2fs, tmpfs). */
+/* 1 when root_fd's own file system is answered by this kernel alone (ext2/3/4,
+ * xfs, btrfs, f2fs, tmpfs); the probe never leaves that mount. */
 int kvp_probe_root_local(int32_t root_fd);
 /* paths: n names, each ended by NUL (paths_len bytes in all), relative to
  * roots[root_index[i]].  Fills resident_out with the indexes of the files
@@ -276,3 +291,5 @@ uint32_t kvp_admission_share(const struct kvp_admission *a, uint32_t worker, con
 #define KVP_FALLBACK_PROC 2
 void kvp_ctx_force_fallback(struct kvp_ctx *ctx, int32_t which);
 void kvp_queue_force_fallback(struct kvp_queue *q, int32_t which);
+/* The same for kvp_inspect, whose ctx is the process's: for a test's child. */
+void kvp_inspect_force_fallback(int32_t which);

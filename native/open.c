@@ -4,7 +4,10 @@
  * walk where openat2 is missing), fstat, refuse anything but a regular file,
  * apply the residency rule, reopen the verified inode for reading (through
  * /proc/self/fd; a second resolution plus a dev/ino check without /proc).
- * Errors become outcomes here (classify).
+ * Errors become outcomes here (classify).  A ctx with no_xdev (check and
+ * evict, which run on a worker's own thread) resolves on the root's own mount
+ * only: a name behind another mount beneath the root (a FUSE or NFS mount in
+ * a subdirectory, whose server may hang) is settled without asking it.
  */
 #include "internal.h"
 
@@ -15,6 +18,7 @@
 #include <linux/magic.h>
 #include <linux/openat2.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
@@ -50,15 +54,43 @@ static int classify(int e)
     return KVP_OUT_FAILED;        /* EACCES/EPERM too: operational, the operator must see it */
 }
 
-/* openat2-less kernels (< 5.6): walk rel one component at a time from root,
- * refusing ".." and never following a symlink (one anywhere is REJECTED, even
- * if it stays inside): stricter than RESOLVE_BENEATH.  Mounts are crossed, as
- * with RESOLVE_BENEATH. */
-static int walk(int root, const char *rel, int flags)
+/* Which mount fd is on, for the walk's RESOLVE_NO_XDEV: its mount id from
+ * /proc/self/fdinfo, which the VFS answers from its own records, never asking
+ * the file system (proc_fdinfo_show: mnt_id since Linux 3.15); without /proc,
+ * its device, from statx with AT_STATX_DONT_SYNC (FUSE and NFS answer that
+ * from their caches: fuse_update_get_attr, nfs_getattr).  0: not known. */
+static uint64_t mount_of(const struct kvp_ctx *c, int fd)
+{
+    struct statx stx;
+    if (c->have_proc) {
+        char path[40], buf[512];
+        snprintf(path, sizeof path, "/proc/self/fdinfo/%d", fd);
+        int in = open(path, O_RDONLY | O_CLOEXEC);
+        ssize_t n = in < 0 ? -1 : read(in, buf, sizeof buf - 1);
+        if (in >= 0)
+            close(in);
+        buf[n > 0 ? n : 0] = '\0';
+        const char *at = strstr(buf, "\nmnt_id:");
+        return at ? strtoull(at + 8, NULL, 10) + 1 : 0;  /* + 1: id 0 is a mount too */
+    }
+    if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, 0, &stx) < 0)
+        return 0;
+    return ((uint64_t)stx.stx_dev_major << 32 | stx.stx_dev_minor) + 1;
+}
+
+/* openat2-less kernels (< 5.6, or a seccomp filter that refuses it): walk rel
+ * one component at a time from root, refusing ".." and never following a
+ * symlink (one anywhere is REJECTED, even if it stays inside): stricter than
+ * RESOLVE_BENEATH.  Mounts are crossed, as with RESOLVE_BENEATH, unless
+ * c->no_xdev: then a component on another mount than root's is EXDEV, found
+ * before anything asks its file system (the mount point's own lookup is the
+ * root's file system's; an O_PATH open calls none: do_o_path). */
+static int walk(const struct kvp_ctx *c, int root, const char *rel, int flags)
 {
     char name[NAME_MAX + 1];
     int dir = root, fd = -EXDEV;
     struct stat st;
+    uint64_t home = c->no_xdev ? mount_of(c, root) : 0;
     while (*rel != '/') {  /* absolute: EXDEV, as RESOLVE_BENEATH says */
         size_t len = strcspn(rel, "/");
         if (len > NAME_MAX) {
@@ -78,7 +110,8 @@ static int walk(int root, const char *rel, int flags)
             fd = -errno;
             break;
         }
-        int e = last ? 0 : fstat(fd, &st) < 0 ? errno : S_ISLNK(st.st_mode) ? ELOOP
+        int e = c->no_xdev && (home == 0 || mount_of(c, fd) != home) ? EXDEV
+                : last ? 0 : fstat(fd, &st) < 0 ? errno : S_ISLNK(st.st_mode) ? ELOOP
                 : !S_ISDIR(st.st_mode) ? ENOTDIR : 0;
         if (dir != root)
             close(dir);
@@ -96,13 +129,17 @@ static int walk(int root, const char *rel, int flags)
 /* Open rel beneath root with flags: fd or -errno.  No O_NOFOLLOW with openat2:
  * a leaf symlink is followed and RESOLVE_BENEATH keeps it inside the root (an
  * absolute or escaping target gives EXDEV); RESOLVE_NO_MAGICLINKS refuses
- * /proc-style links (openat2(2)). */
+ * /proc-style links (openat2(2)).  With c->no_xdev, RESOLVE_NO_XDEV: a walk
+ * that reaches a mount point stops there with EXDEV, before the mounted file
+ * system is asked anything (fs/namei.c handle_mounts: the mount is looked up
+ * in the VFS's mount table, then refused). */
 static int resolve(const struct kvp_ctx *c, int root, const char *rel, int flags)
 {
     if (!c->have_openat2)
-        return walk(root, rel, flags);
+        return walk(c, root, rel, flags);
     struct open_how how = { .flags = (uint64_t)(flags | O_CLOEXEC),
-                            .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS };
+                            .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS
+                                       | (c->no_xdev ? RESOLVE_NO_XDEV : 0) };
     for (int t = 0; t < KVP_RETRIES; t++) {
         long fd = syscall(SYS_openat2, root, rel, &how, sizeof how);
         if (fd >= 0)
@@ -112,6 +149,41 @@ static int resolve(const struct kvp_ctx *c, int root, const char *rel, int flags
             return -errno;
     }
     return -EAGAIN;
+}
+
+/* rel was refused with EXDEV on the root's own mount (c->no_xdev): 1 when it
+ * lies on another mount beneath the root, 0 when it escapes the root (EXDEV
+ * says either).  RESOLVE_IN_ROOT keeps an escape inside instead of refusing it
+ * (an absolute symlink starts again at the root, ".." stops there), so EXDEV
+ * under it is a mount point; the walk follows no symlink, so its EXDEV is one
+ * unless rel is absolute or has a ".." component.  Neither looks past the
+ * mount point.  (A symlink whose absolute target names a mount beneath the
+ * root counts as a mount here, not as the escape the engines call it.) */
+static int crosses_mount(const struct kvp_ctx *c, int root, const char *rel)
+{
+    if (!c->have_openat2) {
+        for (const char *at = rel; *at; at += strspn(at, "/")) {
+            size_t len = strcspn(at, "/");
+            if (at == rel && len == 0)
+                return 0;  /* absolute */
+            if (len == 2 && at[0] == '.' && at[1] == '.')
+                return 0;
+            at += len;
+        }
+        return 1;
+    }
+    struct open_how how = { .flags = O_PATH | O_CLOEXEC,
+                            .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS };
+    for (int t = 0; t < KVP_RETRIES; t++) {
+        long fd = syscall(SYS_openat2, root, rel, &how, sizeof how);
+        if (fd >= 0) {
+            close((int)fd);
+            return 0;
+        }
+        if (errno != EAGAIN && errno != EINTR)
+            return errno == EXDEV;
+    }
+    return 0;
 }
 
 static atomic_uint_fast64_t noatime_fallbacks;
@@ -185,6 +257,8 @@ int kvp_item_lookup(const struct kvp_ctx *c, struct kvp_item *it, struct stat *s
     if (!it->rel || !*it->rel || it->residency < KVP_RES_OFF || it->residency > KVP_RES_PAGECACHE)
         return settle(it, KVP_OUT_REJECTED, EINVAL);
     int fd = resolve(c, it->root_fd, it->rel, O_PATH);
+    if (fd == -EXDEV && c->no_xdev && crosses_mount(c, it->root_fd, it->rel))
+        return settle(it, KVP_OUT_FAILED, EXDEV);  /* behind another mount: not looked at */
     if (fd < 0)
         return settle(it, classify(-fd), -fd);
     if (fstat(fd, st) < 0) {

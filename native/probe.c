@@ -17,10 +17,17 @@
  * It must never block the worker's thread: the queue is there so that a hung
  * tier holds threads, not the worker.  So it probes only roots on file systems
  * whose lookups and opens are answered by this kernel (local block file
- * systems, tmpfs: kvp_probe_root_local); RESOLVE_CACHED refuses any walk that
- * would need I/O, statx asks with AT_STATX_DONT_SYNC; and a call stops at its
- * time budget or at the first file that took longer than KVP_PROBE_SLOW_NS,
- * leaving the rest to the queue.
+ * systems, tmpfs: kvp_probe_root_local), and never leaves the root's own
+ * mount: RESOLVE_NO_XDEV stops a walk at a mount point beneath the root (a
+ * FUSE or NFS mount in a subdirectory, judged by nothing here) before the
+ * mounted file system is asked anything; under RESOLVE_CACHED that comes as
+ * EAGAIN, not EXDEV (the refusal needs to leave RCU walk, which
+ * RESOLVE_CACHED forbids: fs/namei.c handle_mounts), and either way the name
+ * is the queue's.  RESOLVE_CACHED refuses any walk that would need I/O, statx
+ * asks with AT_STATX_DONT_SYNC, and the /proc reopen (which asks the file
+ * system: FUSE's permission check may send GETATTR) only ever reopens an inode
+ * of the root's own mount; a call stops at its time budget or at the first
+ * file that took longer than KVP_PROBE_SLOW_NS, leaving the rest to the queue.
  */
 #include "internal.h"
 
@@ -64,7 +71,7 @@ struct kvp_prober *kvp_prober_new(void)
     kvp_open_probe(&p->base);
     if (p->base.have_openat2) {
         struct open_how how = { .flags = O_PATH | O_CLOEXEC,
-                                .resolve = RESOLVE_BENEATH | RESOLVE_CACHED };
+                                .resolve = RESOLVE_BENEATH | RESOLVE_NO_XDEV | RESOLVE_CACHED };
         long fd = syscall(SYS_openat2, AT_FDCWD, ".", &how, sizeof how);
         p->have_cached = fd >= 0 || errno != EINVAL;
         if (fd >= 0)
@@ -110,11 +117,12 @@ enum { PROBE_REST, PROBE_RESIDENT, PROBE_MISSING };
 
 /* PROBE_RESIDENT when the head of rel is resident by the root's rule,
  * PROBE_MISSING when the dentry cache says rel does not exist, else PROBE_REST:
- * the queue decides (errors included). */
+ * the queue decides (errors included: EAGAIN or EXDEV at a mount point). */
 static int probe_one(const struct kvp_probe_root *root, const char *rel, uint64_t read_bytes)
 {
     struct open_how how = { .flags = O_PATH | O_CLOEXEC,
-                            .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS | RESOLVE_CACHED };
+                            .resolve = RESOLVE_BENEATH | RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS
+                                       | RESOLVE_CACHED };
     struct statx stx;
     struct stat st;
     char proc[32];

@@ -17,6 +17,31 @@
  * ETIMEDOUT at once; its thread, stuck in the kernel, frees it when (if) the
  * read returns.  Threads are bounded by max_threads; the files waiting by the
  * supervisor's queue_limit; every outcome crosses to Python through reap.
+ *
+ * Names behind another mount beneath their root (a FUSE or NFS mount in a
+ * subdirectory) have a lane of their own.  A root's one FIFO put them ahead of
+ * the root's own files, and each took a thread once the one before it had
+ * stalled: a hung FUSE server under an ext4 root, sent 1,100 such names in one
+ * fire-and-forget request, left 0 of 16 healthy files of that root served in
+ * 5 s (still 0 after 23 s) and 192 threads stuck per worker.  So the roots'
+ * lanes resolve on each root's own mount only (base.no_xdev: RESOLVE_NO_XDEV,
+ * open.c), which stops a walk at a mount point before the mounted file system
+ * is asked anything; a name refused there (FAILED, EXDEV: never otherwise)
+ * moves, at the cost of two lookups on the root's own file system, to the
+ * other-mount lane: one FIFO for every root, read across mounts by at most
+ * cfg.other_mount_threads threads (4 by default) apart from max_threads.  The
+ * probe cannot tell these names apart (under RESOLVE_CACHED a mount point and
+ * a cold dentry both say EAGAIN), the lookup here can, for every root, probed
+ * or not.  The lane's reads stall after max(2 s, 20 x its service time), like
+ * a root's, but a stalled one keeps its thread and its slot: the lane never
+ * holds more than its cap.  Once every slot is held by a stalled read, the
+ * lane is stuck: the files waiting and every name that comes after are settled
+ * FAILED with EHOSTDOWN (`mount_unresponsive`) at once, instead of queueing
+ * until file_timeout; a read that returns reopens it.  The root's own files
+ * are served at full depth whatever the lane does; the price is that a hung
+ * mount stops warm-ups on every other mount beneath any root of the worker
+ * while it hangs (list such a mount as a root of its own: it then has a lane,
+ * a depth and a stall count of its own).
  */
 #include "internal.h"
 #include "queue.h"
@@ -36,7 +61,10 @@
 
 #define now_ns kvp_now_ns
 
-/* ---- lists: pending per root (FIFO), running, done ------------------------ */
+static void *thread_main(void *arg);
+static void *lane_main(void *arg);
+
+/* ---- lists: pending per root and in the lane (FIFO), running, done ---------- */
 static void push(struct qlist *l, struct qitem *it)
 {
     it->next = NULL;
@@ -119,6 +147,62 @@ static int work_waiting(const struct kvp_queue *q)
     return 0;
 }
 
+/* The list a pending file waits on: its root's, or the other-mount lane's. */
+static struct qlist *pending_of(struct kvp_queue *q, const struct qitem *qi)
+{
+    return qi->other_mount ? &q->lane.pending : &q->roots[qi->root].pending;
+}
+
+/* ---- the other-mount lane ---------------------------------------------------- */
+/* Every slot held by a read past the lane's stall time: nothing more starts. */
+static int lane_stuck(const struct qlane *l)
+{
+    return l->running >= l->cap && l->stalled >= l->running;
+}
+
+/* Settled now, unread: the lane cannot start it (its server is not answering). */
+static void lane_refuse(struct kvp_queue *q, struct qitem *qi)
+{
+    settle(&qi->it, KVP_OUT_FAILED, EHOSTDOWN);
+    q->lane.refused++;
+    done_push(q, qi);
+}
+
+/* Called with the lock held, as maybe_spawn is, for the lane's own threads. */
+static void lane_spawn(struct kvp_queue *q)
+{
+    struct qlane *l = &q->lane;
+    pthread_t tid;
+    if (l->threads > l->running || l->threads >= l->cap || q->stopping || l->pending.n == 0)
+        return;
+    l->threads++;
+    if (pthread_create(&tid, &q->attr, lane_main, q) != 0) {
+        l->threads--;
+        q->spawn_failures++;
+    }
+}
+
+/* A file a root's lane found behind another mount: to the other-mount lane, or
+ * refused at once when that lane is stuck.  Called with the lock held. */
+static void lane_take(struct kvp_queue *q, struct qitem *qi)
+{
+    struct qlane *l = &q->lane;
+    l->moved++;
+    qi->other_mount = 1;
+    qi->stalled = 0;
+    qi->it.outcome = KVP_OUT_FAILED;
+    qi->it.err = 0;
+    qi->it.size = qi->it.done = 0;
+    if (lane_stuck(l)) {
+        lane_refuse(q, qi);
+        return;
+    }
+    q->deadlines += qi->it.deadline_ns > 0;
+    push(&l->pending, qi);
+    lane_spawn(q);
+    pthread_cond_signal(&q->lane_work);
+}
+
 /* ---- the work of one file ---------------------------------------------- */
 /* Read [0, span) into a shared scratch buffer.  The bytes are thrown away:
  * only the page-cache side effect matters, so threads may overwrite each
@@ -151,24 +235,30 @@ static void warm(struct kvp_queue *q, struct qitem *qi, int fd, uint64_t span)
     close(fd);
 }
 
+/* A root's lane resolves on the root's own mount (base); the other-mount lane
+ * crosses mounts (across). */
 static void process(struct kvp_queue *q, struct qitem *qi)
 {
     uint64_t span = 0;
-    int fd = kvp_item_open(&q->base, &qi->it, &span);
+    int fd = kvp_item_open(qi->other_mount ? &q->across : &q->base, &qi->it, &span);
     if (fd >= 0)
         warm(q, qi, fd, span);
 }
 
 /* ---- threads ---------------------------------------------------------------- */
-static void *thread_main(void *arg);
 
-/* Called with the lock held: one more thread when work waits, none is idle, and
- * the cap allows.  One at a time: the new thread, once running, spawns the next
- * if work still waits, so a burst grows the pool at thread-creation speed. */
+/* Called with the lock held: one more thread when work waits, every thread
+ * holds a file, and the cap allows.  One at a time: the new thread, once it has
+ * a file, spawns the next if work still waits, so a burst grows the pool at
+ * thread-creation speed.  Not "none is idle": a thread between two files (on
+ * the lock) is neither, and files that take microseconds (resident, missing,
+ * or moved to the other-mount lane) grew the pool far past the depth that
+ * way: 1,100 names under another mount gave 200-500 threads per worker. */
 static void maybe_spawn(struct kvp_queue *q)
 {
     pthread_t tid;
-    if (q->idle > 0 || q->threads >= q->cfg.max_threads || q->stopping || !work_waiting(q))
+    if (q->threads > q->busy || q->threads >= q->cfg.max_threads || q->stopping ||
+        !work_waiting(q))
         return;
     q->threads++;
     if (pthread_create(&tid, &q->attr, thread_main, q) != 0) {
@@ -177,16 +267,33 @@ static void maybe_spawn(struct kvp_queue *q)
     }
 }
 
-static void *thread_main(void *arg)
+/* The next file for a thread of the roots' lanes (lane 0) or of the other-mount
+ * lane (1); NULL when none may start. */
+static struct qitem *take_next(struct kvp_queue *q, int lane)
 {
-    struct kvp_queue *q = arg;
+    struct qitem *qi;
+    if (!lane)
+        return next_item(q);
+    if (!(qi = q->lane.pending.head))
+        return NULL;
+    unlink_item(&q->lane.pending, qi);
+    return qi;
+}
+
+/* One thread of either lane: take a file, read it unlocked, settle it.  A file
+ * a root's lane finds behind another mount moves to the other lane instead. */
+static void serve(struct kvp_queue *q, int lane)
+{
+    struct qlane *l = &q->lane;
+    uint32_t *idle = lane ? &l->idle : &q->idle;
+    pthread_cond_t *work = lane ? &q->lane_work : &q->work;
     pthread_mutex_lock(&q->mu);
     for (;;) {
         struct qitem *qi;
-        while (!q->stopping && !(qi = next_item(q))) {
-            q->idle++;
-            pthread_cond_wait(&q->work, &q->mu);
-            q->idle--;
+        while (!q->stopping && !(qi = take_next(q, lane))) {
+            (*idle)++;
+            pthread_cond_wait(work, &q->mu);
+            (*idle)--;
         }
         if (q->stopping)
             break;
@@ -199,10 +306,17 @@ static void *thread_main(void *arg)
             }
         }
         struct qroot *r = &q->roots[qi->root];
-        r->running++;
+        struct kvp_depth *depth = lane ? &l->depth : &r->depth;
+        uint32_t *running = lane ? &l->running : &r->running;
+        uint32_t *stalled = lane ? &l->stalled : &r->stalled;
+        (*running)++;
+        q->busy += !lane;
         qi->started = now_ns();
         push(&q->running, qi);
-        maybe_spawn(q);
+        if (lane)
+            lane_spawn(q);
+        else
+            maybe_spawn(q);
         pthread_mutex_unlock(&q->mu);
 
         process(q, qi);
@@ -210,24 +324,41 @@ static void *thread_main(void *arg)
         int64_t finished = now_ns();
         pthread_mutex_lock(&q->mu);
         unlink_item(&q->running, qi);
-        r->running--;
+        (*running)--;
+        q->busy -= !lane;
         if (qi->stalled)
-            r->stalled--;
-        /* Only reads that did I/O tell the root's depth anything: a resident
-         * check or a missing file costs microseconds whatever the depth. */
+            (*stalled)--;
+        /* Only reads that did I/O tell the depth anything: a resident check or
+         * a missing file costs microseconds whatever the depth. */
         if (qi->it.outcome == KVP_OUT_READ && qi->it.done > 0)
-            kvp_depth_sample(&r->depth, finished - qi->started, r->running - r->stalled + 1,
-                             r->pending.n > 0, finished);
+            kvp_depth_sample(depth, finished - qi->started, *running - (lane ? 0 : *stalled) + 1,
+                             pending_of(q, qi)->n > 0, finished);
         if (qi->abandoned)
             free(qi);  /* settled ETIMEDOUT already; the reaper has its answer */
+        else if (!lane && qi->it.outcome == KVP_OUT_FAILED && qi->it.err == EXDEV)
+            lane_take(q, qi);  /* behind another mount: unlooked at (open.c) */
         else
             done_push(q, qi);
-        if (work_waiting(q))
-            pthread_cond_signal(&q->work);  /* a freed depth slot or a grown limit */
+        if (lane ? l->pending.n > 0 : work_waiting(q))
+            pthread_cond_signal(work);  /* a freed slot or a grown limit */
     }
-    q->threads--;
+    if (lane)
+        l->threads--;
+    else
+        q->threads--;
     pthread_cond_broadcast(&q->exited);
     pthread_mutex_unlock(&q->mu);
+}
+
+static void *thread_main(void *arg)
+{
+    serve(arg, 0);
+    return NULL;
+}
+
+static void *lane_main(void *arg)
+{
+    serve(arg, 1);
     return NULL;
 }
 
@@ -239,15 +370,17 @@ void kvp_queue_free(struct kvp_queue *q)
     pthread_mutex_lock(&q->mu);
     q->stopping = 1;
     pthread_cond_broadcast(&q->work);
+    pthread_cond_broadcast(&q->lane_work);
     /* Threads stuck in the kernel (a hung tier) cannot be joined: wait a moment,
      * then leave the queue to them (leaked, not freed under their feet).  The
      * process is normally exiting when this runs. */
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += 1;
-    while (q->threads > 0 && pthread_cond_timedwait(&q->exited, &q->mu, &until) == 0)
+    while (q->threads + q->lane.threads > 0
+           && pthread_cond_timedwait(&q->exited, &q->mu, &until) == 0)
         ;
-    int left = q->threads;
+    int left = (int)(q->threads + q->lane.threads);
     pthread_mutex_unlock(&q->mu);
     if (left > 0)
         return;
@@ -262,6 +395,11 @@ void kvp_queue_free(struct kvp_queue *q)
             unlink_item(&q->roots[i].pending, it);
             free(it);
         }
+    while (q->lane.pending.head) {
+        struct qitem *it = q->lane.pending.head;
+        unlink_item(&q->lane.pending, it);
+        free(it);
+    }
     pthread_attr_destroy(&q->attr);
     if (q->efd >= 0)
         close(q->efd);
@@ -275,7 +413,8 @@ struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err)
     struct kvp_queue *q = NULL;
     int e = EINVAL;
     if (!cfg || cfg->chunk == 0 || cfg->chunk > KVP_MAX_CHUNK || cfg->max_threads == 0 ||
-        cfg->max_threads > KVP_QUEUE_MAX_THREADS || cfg->initial_depth == 0)
+        cfg->max_threads > KVP_QUEUE_MAX_THREADS || cfg->initial_depth == 0 ||
+        cfg->other_mount_threads > KVP_QUEUE_MAX_THREADS)
         goto fail;
     e = ENOMEM;
     if (!(q = calloc(1, sizeof *q)))
@@ -286,9 +425,16 @@ struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err)
     q->base.cfg.chunk = cfg->chunk;
     q->base.cfg.fadv_random = cfg->fadv_random && !cfg->advise;
     kvp_open_probe(&q->base);
+    q->across = q->base;
+    q->base.no_xdev = 1;
+    q->lane.cap = cfg->other_mount_threads ? cfg->other_mount_threads
+                                           : KVP_QUEUE_OTHER_MOUNT_THREADS;
+    q->cfg.other_mount_threads = q->lane.cap;
+    kvp_depth_init(&q->lane.depth, q->lane.cap, q->lane.cap);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->work, NULL);
     pthread_cond_init(&q->exited, NULL);
+    pthread_cond_init(&q->lane_work, NULL);
     pthread_attr_init(&q->attr);
     pthread_attr_setstacksize(&q->attr, KVP_QUEUE_STACK);
     pthread_attr_setdetachstate(&q->attr, PTHREAD_CREATE_DETACHED);
@@ -385,7 +531,7 @@ static void expire(struct kvp_queue *q, struct qitem *qi, int running)
         copy->tag = qi->tag;
         qi->abandoned = 1;
     } else {
-        unlink_item(&q->roots[qi->root].pending, qi);
+        unlink_item(pending_of(q, qi), qi);
         q->deadlines -= qi->it.deadline_ns > 0;
     }
     copy->it.outcome = KVP_OUT_FAILED;
@@ -397,20 +543,42 @@ static void expire(struct kvp_queue *q, struct qitem *qi, int running)
 /* A pending file past its deadline: off its list, settled EXPIRED, unread. */
 static void settle_expired(struct kvp_queue *q, struct qitem *qi)
 {
-    unlink_item(&q->roots[qi->root].pending, qi);
+    unlink_item(pending_of(q, qi), qi);
     settle(&qi->it, KVP_OUT_EXPIRED, 0);
     q->deadlines--;
     done_push(q, qi);
 }
 
+/* Every pending file of list l past the deadline or file_timeout settled; the
+ * oldest first (FIFO), so a root's list stops at its first young file. */
+static void sweep(struct kvp_queue *q, struct qlist *l, int64_t t, int ordered)
+{
+    struct qitem *qi = l->head, *next;
+    for (; qi; qi = next) {
+        next = qi->next;
+        if (q->cfg.timeout_ns && t - qi->submitted > (int64_t)q->cfg.timeout_ns)
+            expire(q, qi, 0);
+        else if (qi->it.deadline_ns > 0 && t > qi->it.deadline_ns)
+            settle_expired(q, qi);
+        else if (ordered && !q->deadlines)
+            break;  /* none younger is late: submission order */
+    }
+}
+
 void kvp_queue_tick(struct kvp_queue *q)
 {
     int64_t t = now_ns();
+    struct qlane *l = &q->lane;
     pthread_mutex_lock(&q->mu);
     int freed = 0;
     for (struct qitem *qi = q->running.head; qi; qi = qi->next) {
         struct qroot *r = &q->roots[qi->root];
-        if (!qi->stalled && t - qi->started > kvp_depth_stall_ns(&r->depth)) {
+        if (!qi->stalled && qi->other_mount && t - qi->started > kvp_depth_stall_ns(&l->depth)) {
+            qi->stalled = 1;  /* holds its thread and its slot in the lane: stuck */
+            l->stalled++;
+            l->stalls++;
+        } else if (!qi->stalled && !qi->other_mount
+                   && t - qi->started > kvp_depth_stall_ns(&r->depth)) {
             qi->stalled = 1;  /* holds its thread, no longer its root's depth */
             r->stalled++;
             q->stalls++;
@@ -419,24 +587,21 @@ void kvp_queue_tick(struct kvp_queue *q)
         if (!qi->abandoned && q->cfg.timeout_ns && t - qi->submitted > (int64_t)q->cfg.timeout_ns)
             expire(q, qi, 1);
     }
-    if (q->cfg.timeout_ns)
-        for (uint32_t i = 0; i < q->nroots; i++) {
-            struct qitem *qi = q->roots[i].pending.head, *next;
-            for (; qi && t - qi->submitted > (int64_t)q->cfg.timeout_ns; qi = next) {
-                next = qi->next;  /* FIFO: the oldest are first */
-                expire(q, qi, 0);
-            }
-        }
-    /* Files past their deadline leave the queue now, not when depth frees up
-     * behind a slow or hung root: they take no thread and no fetch slot. */
-    if (q->deadlines)
-        for (uint32_t i = 0; i < q->nroots; i++) {
-            struct qitem *qi = q->roots[i].pending.head, *next;
-            for (; qi; qi = next) {
-                next = qi->next;
-                if (qi->it.deadline_ns > 0 && t > qi->it.deadline_ns)
-                    settle_expired(q, qi);
-            }
+    /* Files past file_timeout or their deadline leave the queue now, not when
+     * depth frees up behind a slow or hung root: they take no thread and no
+     * fetch slot.  The lane's FIFO is in hand-over order, not submission's. */
+    if (q->cfg.timeout_ns || q->deadlines) {
+        for (uint32_t i = 0; i < q->nroots; i++)
+            sweep(q, &q->roots[i].pending, t, 1);
+        sweep(q, &l->pending, t, 0);
+    }
+    /* A stuck lane answers what waits for it now, not at file_timeout. */
+    if (lane_stuck(l))
+        while (l->pending.head) {
+            struct qitem *qi = l->pending.head;
+            unlink_item(&l->pending, qi);
+            q->deadlines -= qi->it.deadline_ns > 0;
+            lane_refuse(q, qi);
         }
     if (freed) {
         maybe_spawn(q);
@@ -448,6 +613,7 @@ void kvp_queue_tick(struct kvp_queue *q)
 void kvp_queue_force_fallback(struct kvp_queue *q, int32_t which)
 {
     kvp_ctx_force_fallback(&q->base, which);
+    kvp_ctx_force_fallback(&q->across, which);
 }
 
 void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
@@ -461,6 +627,13 @@ void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
     out->timed_out = q->timed_out;
     out->stalls = q->stalls;
     out->spawn_failures = q->spawn_failures;
+    out->mount_threads = q->lane.threads;
+    out->mount_pending = q->lane.pending.n;
+    out->mount_running = q->lane.running;
+    out->mount_stalled = q->lane.stalled;
+    out->mount_moved = q->lane.moved;
+    out->mount_refused = q->lane.refused;
+    out->mount_stalls = q->lane.stalls;
     for (uint32_t i = 0; i < q->nroots; i++) {
         const struct qroot *r = &q->roots[i];
         out->pending += r->pending.n;

@@ -49,8 +49,9 @@ struct qitem {
     uint64_t seq;            /* submission order: picks a scratch buffer */
     int64_t submitted, started;  /* CLOCK_MONOTONIC ns */
     uint16_t root;           /* index in kvp_queue.roots */
-    uint8_t stalled;         /* counted in its root's stalled reads */
+    uint8_t stalled;         /* counted in its lane's stalled reads */
     uint8_t abandoned;       /* settled by timeout; its thread frees it */
+    uint8_t other_mount;     /* behind another mount beneath its root: the other-mount lane's */
     struct qitem *next, *prev;
     char rel[];
 };
@@ -67,17 +68,31 @@ struct qroot {
     struct kvp_depth depth;
 };
 
+/* The other-mount lane (queue.c's header): one FIFO for every root's names behind
+ * another mount beneath it, read by at most cap threads of its own. */
+struct qlane {
+    struct qlist pending;    /* FIFO: waiting for a thread */
+    uint32_t cap;            /* threads at most, stuck ones included */
+    uint32_t threads, idle, running, stalled;
+    struct kvp_depth depth;  /* only its service time, for its stall time */
+    uint64_t moved, refused, stalls;
+};
+
 struct kvp_queue {
-    struct kvp_ctx base;     /* what open.c needs: openat2 and /proc probes, chunk */
+    struct kvp_ctx base;     /* what open.c needs: openat2 and /proc probes, chunk;
+                                no_xdev: the roots' lanes stay on each root's own mount */
+    struct kvp_ctx across;   /* the same, crossing mounts: the other-mount lane's */
     struct kvp_queue_config cfg;
     pthread_mutex_t mu;
-    pthread_cond_t work, exited;
+    pthread_cond_t work, exited, lane_work;
     pthread_attr_t attr;
     struct qroot roots[KVP_QUEUE_MAX_ROOTS];
+    struct qlane lane;
     uint32_t nroots, turn;
     struct qlist running, done;
     int efd;                 /* eventfd: readable while done is not empty */
     uint32_t threads, idle;
+    uint32_t busy;           /* of those threads, the ones holding a file */
     int stopping;
     uint64_t seq, submitted, reaped, timed_out, stalls, spawn_failures;
     uint32_t deadlines;      /* pending files with a deadline: the tick sweeps for them */

@@ -7,7 +7,11 @@ thread (~4 us a file, the syscalls of a confined residency check), and only the 
 cannot call resident or missing go on to the engines, which decide them exactly as
 before. It never waits on a file
 system: roots on network or FUSE file systems are not probed, nor are names outside the
-dentry cache, and a call stops at PROBE_BUDGET_NS or at the first slow file.
+dentry cache or behind another mount beneath a local root (a FUSE mount in a subdirectory:
+the walk stops at its mount point, RESOLVE_NO_XDEV), and a call stops at PROBE_BUDGET_NS
+or at the first slow file. The probe leaves such names with the rest, untagged: under
+RESOLVE_CACHED a mount point and a name outside the dentry cache both say EAGAIN; the
+queue's own lookup tells them apart and reads them in its other-mount lane.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ PROBE_BUDGET_NS = 50_000_000
 
 
 class Prober:
-    """The probe and what it knows of each root: its fd, rule, and whether it is local."""
+    """The probe and what it knows of each root: its fd, rule, and whether it is local
+    (the root's own file system: the probe never leaves the root's mount)."""
 
     def __init__(self, native: Native, root_fds: list[int], rules: list[int]) -> None:
         self._native = native

@@ -15,6 +15,12 @@ from collections.abc import Iterable, Iterator
 DROPPED = "dropped_queue_full"
 DEADLINE = "deadline"
 WORKER_LOST = "worker_lost"
+# check and evict: a name behind another mount beneath its root (a FUSE or NFS mount in
+# a subdirectory), which a worker does not look at on its own thread (native/inspect.c).
+OTHER_MOUNT = "other_mount"
+# Warm-ups: a name behind another mount beneath its root, refused unread because every
+# thread of the queue's lane for such names is stuck on a read (native/queue.c).
+MOUNT_UNRESPONSIVE = "mount_unresponsive"
 
 # Worker outcome `rejected`: the errno native/open.c settles it with -> reason.
 _REJECTED = {
@@ -52,6 +58,10 @@ def reason_of(outcome: str, err: int) -> str:
         return DEADLINE
     if outcome == "rejected" and err in _REJECTED:
         return _REJECTED[err]
+    if outcome == "failed" and err == errno.EXDEV:
+        return OTHER_MOUNT
+    if outcome == "failed" and err == errno.EHOSTDOWN:
+        return MOUNT_UNRESPONSIVE
     if err:
         return errno.errorcode.get(err, f"errno_{err}")
     return WORKER_LOST if outcome == "failed" else outcome

@@ -93,6 +93,7 @@ class Worker:
         self.watched: set[int] = set()  # engine fds in the poller
         self.root_fds = list(plan.root_fds)  # never a path: a root swapped later is not seen
         self.rules = list(plan.rules)
+        self.retired: dict[int, int] = {}  # root index -> fd let go, closed once idle
         self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
                                      budget_bytes=plan.dedup_bytes)
         self.in_flight = InFlight()
@@ -127,9 +128,7 @@ class Worker:
                 if isinstance(message, Warm):
                     self.accept(message)
                 elif isinstance(message, Root):
-                    self.root_fds[message.index], self.rules[message.index] = (message.fd,
-                                                                               message.rule)
-                    self.prober.set_root(message.index, message.fd, message.rule)
+                    self.take_root(message)
                 else:
                     log.warning("worker %d: unexpected %s", self.plan.index, type(message))
             if self.reader.closed:
@@ -142,7 +141,41 @@ class Worker:
                     self.settle(completion)
                 if engine.outstanding:
                     engine.tick()
+            if self.retired:
+                self.close_retired()
             self.flush()
+
+    def take_root(self, message: Root) -> None:
+        """A root opened, reopened or let go (rootset.py). A reopened root's new directory
+        takes the number the old one had (dup2): what is queued or in flight under it
+        resolves beneath the new directory from now on, and the engines' per-root state
+        (kept by fd) stays the root's. A root let go keeps its number aside, open, until
+        nothing is out that may use it (close_retired), so no file is ever resolved
+        beneath whatever would reuse that number."""
+        index, fd = message.index, message.fd
+        held = self.root_fds[index]
+        if held < 0:
+            held = self.retired.pop(index, -1)
+        if fd >= 0 and held >= 0:
+            os.dup2(fd, held, inheritable=False)
+            os.close(fd)
+            fd = held
+        elif held >= 0:
+            self.retired[index] = held
+        if held >= 0:  # what was warmed under the old directory says nothing of the new
+            plan = self.plan
+            self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
+                                         budget_bytes=plan.dedup_bytes)
+        self.root_fds[index], self.rules[index] = fd, message.rule
+        self.prober.set_root(index, fd, message.rule)
+
+    def close_retired(self) -> None:
+        """Close the fds of roots let go once no file is queued or out in an engine."""
+        if any(self.pending.values()) or any(e.outstanding for e in self.engines.built()):
+            return
+        for fd in self.retired.values():
+            os.close(fd)
+        self.retired.clear()
 
     def poll_timeout_ms(self) -> int | None:
         """No wait while a batch engine has files to take; a tick while files are out."""
@@ -243,7 +276,10 @@ class Worker:
     def inspect(self, message: Warm) -> None:
         """check or evict: look at each file (kvp_inspect) and report its state and
         figures. On this thread, between rounds: a lookup and a cachestat per file cost
-        microseconds; a file system that hangs them is what worker_timeout is for."""
+        microseconds. Only the root's own file system is asked: a file behind another mount
+        beneath the root (a FUSE mount in a subdirectory, which may hang) comes back failed
+        (EXDEV, `other_mount`) unlooked at; a root whose own file system hangs is what
+        worker_timeout is for."""
         ffi, lib = self.native.ffi, self.native.lib
         action = (lib.KVP_INSPECT_CHECK if message.warm_mode == CHECK
                   else lib.KVP_INSPECT_EVICT_FILE if message.warm_mode == EVICT_FILE
@@ -304,13 +340,17 @@ class Worker:
             return {}
         index_of = {fd: str(i) for i, fd in enumerate(self.root_fds) if fd >= 0}
         figures: dict[str, Any] = {"threads": 0, "running": 0, "stalled": 0, "timed_out": 0,
-                                   "depth": {}}
+                                   "other_mount_threads": 0, "other_mount_stuck": 0,
+                                   "other_mount_refused": 0, "depth": {}}
         for engine in queues:
             now = engine.figures()
             figures["threads"] += now.threads
             figures["running"] += now.running
             figures["stalled"] += now.stalled
             figures["timed_out"] += now.timed_out
+            figures["other_mount_threads"] += now.other_mount_threads
+            figures["other_mount_stuck"] += now.other_mount_stuck
+            figures["other_mount_refused"] += now.other_mount_refused
             for fd, (depth, rtt_us) in now.depth.items():
                 if fd in index_of:
                     figures["depth"][index_of[fd]] = [depth, rtt_us]

@@ -37,10 +37,12 @@ class EngineSettings:
     batch_files: int
     max_open_files: int
     # The queue: reads in flight per root to start from, threads at most per worker,
-    # and how long a file may take before it is settled `failed` (0: no limit).
+    # and how long a file may take before it is settled `failed` (0: no limit); the
+    # threads of its lane for files behind another mount beneath their root.
     initial_depth: int = 16
     max_in_flight: int = 512
     file_timeout: float = 60.0
+    other_mount_threads: int = 4
 
 
 @dataclass(slots=True)

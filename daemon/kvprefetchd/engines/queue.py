@@ -3,8 +3,9 @@
 One native queue (native/queue.c) per worker and warm mode, with persistent threads
 whose reads in flight follow each root's file system (native/depthctl.c): a slow
 tier gets hundreds of fetches in flight, a local disk as many as it serves faster
-with. The worker polls `fileno()` beside its channel, reaps what finished, and ticks
-the queue while files are out (stalled reads stop holding depth, late files fail).
+with; files behind another mount beneath their root have a lane of a few threads. The
+worker polls `fileno()` beside its channel, reaps what finished, and ticks the queue while
+files are out (stalled reads stop holding depth, late files fail).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class QueueFigures:
     stalled: int
     timed_out: int
     depth: dict[int, tuple[int, int]]  # root fd -> (reads in flight allowed, service time us)
+    # The lane for files behind another mount beneath their root (native/queue.c): its
+    # threads, those stuck (reading past its stall time), and the files it refused
+    # because every thread was stuck.
+    other_mount_threads: int = 0
+    other_mount_stuck: int = 0
+    other_mount_refused: int = 0
 
 
 class QueueEngine(NativeEngine):
@@ -54,6 +61,7 @@ class QueueEngine(NativeEngine):
         config.initial_depth = settings.initial_depth
         config.max_threads = settings.max_in_flight
         config.timeout_ns = int(settings.file_timeout * 1e9)
+        config.other_mount_threads = settings.other_mount_threads
         error = ffi.new("int *")
         queue = lib.kvp_queue_new(config, error)
         if queue == ffi.NULL:
@@ -115,4 +123,6 @@ class QueueEngine(NativeEngine):
         depth = {int(stats.root_fd[i]): (int(stats.root_depth[i]), int(stats.root_rtt_us[i]))
                  for i in range(stats.nroots)}
         return QueueFigures(int(stats.threads), int(stats.pending), int(stats.running),
-                            int(stats.stalled), int(stats.timed_out), depth)
+                            int(stats.stalled), int(stats.timed_out), depth,
+                            int(stats.mount_threads), int(stats.mount_stalled),
+                            int(stats.mount_refused))
