@@ -78,6 +78,11 @@ class Config:
     initial_depth: int = 16
     max_in_flight: int = 512
     file_timeout: float = 60.0
+    # Files behind another mount beneath their root (a FUSE or NFS mount in a
+    # subdirectory) are read by this many threads per worker at most, apart from
+    # max_in_flight, so that a hung one never starves the roots' own files; once all are
+    # stuck, such files fail at once (`mount_unresponsive`: native/queue.c).
+    other_mount_threads: int = 4
     # Roots: refuse one whose path another user could swap (roots.py; false accepts it),
     # and how long the scout may take over a file-system task (opening a root, KV
     # discovery) before it is presumed stuck and replaced, the task failing.
@@ -133,6 +138,11 @@ class Config:
     tcp_plaintext_loopback: bool = False
     max_connections_per_address: int = 64
     tls_handshake_timeout: float = 5.0
+    # Handshakes in progress have slots of their own, and new ones a rate: strangers can
+    # neither take the routers' connections nor the supervisor's CPU (tcp.py, handshakes.py).
+    max_tls_handshakes: int = 64
+    tls_handshake_rate: int = 50  # a second, all addresses no router came from before
+    tls_handshake_rate_per_address: int = 32  # a second, each address
     default_deadline_ms: int = 0
     max_failures_listed: int = 4096
     preserve_atime: bool = False
@@ -150,6 +160,16 @@ class Config:
     worker_timeout: float = 60.0
     log_level: str = "info"
     metrics: str = ""
+    # The metrics endpoint is unauthenticated (metrics_limits.py): a client's request
+    # header must arrive within metrics_header_timeout seconds; an address holds at most
+    # metrics_max_clients_per_address of the 32 slots; new connections are capped at
+    # metrics_rate_per_address a second per address and metrics_rate in all (closed at
+    # once beyond); the page is rendered at most once per metrics_cache_seconds.
+    metrics_header_timeout: float = 0.5
+    metrics_max_clients_per_address: int = 4
+    metrics_rate: int = 200
+    metrics_rate_per_address: int = 10
+    metrics_cache_seconds: float = 0.5
 
     @property
     def worker_count(self) -> int:
@@ -170,6 +190,7 @@ _INT_KEYS = {
     "max_stuck_workers": (1, 1024),
     "initial_depth": (1, 4096),
     "max_in_flight": (1, 4096),
+    "other_mount_threads": (1, 4096),
     "batch_files": (1, 65536),
     "max_open_files": (8, 16384),
     "queue_limit": (1, 10_000_000),
@@ -178,6 +199,9 @@ _INT_KEYS = {
     "default_deadline_ms": (0, 86_400_000),
     "max_failures_listed": (0, 1_000_000),
     "max_connections_per_address": (1, 65536),
+    "max_tls_handshakes": (1, 65536),
+    "tls_handshake_rate": (1, 1_000_000),
+    "tls_handshake_rate_per_address": (1, 1_000_000),
     "dedup_entries": (0, 10_000_000),
     "dedup_bytes": (0, 1 << 30),
     "max_frame_bytes": (64, 1 << 30),
@@ -198,6 +222,9 @@ _INT_KEYS = {
     "max_kv_path_bytes": (64 * KIB, 1 << 32),
     "stale_streak": (1, 1 << 30),
     "max_stale_profiles": (1, 1 << 20),
+    "metrics_max_clients_per_address": (1, 32),
+    "metrics_rate": (1, 100_000),
+    "metrics_rate_per_address": (1, 100_000),
 }
 # Seconds, 0 meaning never: (the key, the shortest non-zero value, the longest).
 _SECONDS_KEYS = {
@@ -208,6 +235,11 @@ _SECONDS_KEYS = {
     "idle_timeout": (1.0, 86400.0),
     "frame_timeout": (1.0, 3600.0),
     "tls_handshake_timeout": (0.1, 600.0),
+}
+# Seconds without an "off": (the key, the least, the most).
+_BOUNDED_SECONDS_KEYS = {
+    "metrics_header_timeout": (0.05, 10.0),
+    "metrics_cache_seconds": (0.0, 60.0),  # 0: every scrape renders
 }
 _CHOICE_KEYS = {
     "engine": ENGINES,
@@ -298,6 +330,13 @@ def _check(key: str, value: Any) -> Any:
         except MetricsAddressError as error:
             raise ConfigError(str(error)) from error
         return value
+    if key in _BOUNDED_SECONDS_KEYS:
+        least, most = _BOUNDED_SECONDS_KEYS[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            least <= value <= most
+        ):
+            raise ConfigError(f"{key}: expected seconds in [{least:g}, {most:g}]")
+        return float(value)
     if key == "drain_seconds":
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
             raise ConfigError("drain_seconds: expected a number of seconds in [0, 60]")
@@ -395,8 +434,11 @@ RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
     "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "root_path_checks",
+    "other_mount_threads",
     "dedup_ttl_ms",
     "dedup_entries", "dedup_bytes", "worker_nice", "metrics", "model_warm_modes",
+    "metrics_header_timeout", "metrics_max_clients_per_address", "metrics_rate",
+    "metrics_rate_per_address", "metrics_cache_seconds",
     "listen_tcp", "tcp_plaintext_loopback",
 })
 

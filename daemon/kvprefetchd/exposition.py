@@ -20,11 +20,13 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
+    StateSetMetricFamily,
 )
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.registry import Collector
 
 from kvprefetch.stats import (
+    ROOT_STATUSES,
     FileCounts,
     HistogramSnapshot,
     KVStats,
@@ -61,6 +63,8 @@ class StatsCollector(Collector):
         for family in itertools.chain(
             _identity(stats),
             _requests(stats["requests"], stats["events"]),
+            _log_sink(stats["events"]),
+            _metrics_endpoint(stats["events"]),
             _files(stats["files"], stats),
             _workers(stats["workers"]),
             _kv(stats["kv"]),
@@ -89,9 +93,26 @@ def _identity(stats: Stats) -> Iterator[Metric]:
     roots = InfoMetricFamily(
         "kvprefetchd_root", "An allowed root, its file system and its residency rule."
     )
+    status = StateSetMetricFamily(
+        "kvprefetchd_root_status",
+        "Each allowed root's state now (stats roots[].status): open; missing (its path "
+        "leads nowhere, its files are missing); refused (its path is refused; a directory "
+        "opened earlier stays in force); unresponsive (its file system does not answer).",
+        labels=["root"],
+    )
+    reopened = CounterMetricFamily(
+        "kvprefetchd_root_reopened",
+        "Times a root was opened again: found replaced (removed and made again, mounted "
+        "over or unmounted, remounted) or back after missing.",
+        labels=["root"],
+    )
     for root in stats["roots"]:
         roots.add_metric([], {"root": root["root"], "fstype": root["fstype"], "rule": root["rule"]})
+        status.add_metric([root["root"]], {name: name == root["status"] for name in ROOT_STATUSES})
+        reopened.add_metric([root["root"]], root["reopened"])
     yield roots
+    yield status
+    yield reopened
     # The supervisor's own figures are the standard process_* metrics (render()).
 
 
@@ -113,8 +134,72 @@ def _requests(requests: Mapping[str, int], events: Mapping[str, int]) -> Iterato
         labels=["event"],
     )
     for event, value in sorted(events.items()):
-        other.add_metric([event], value)
+        if not event.startswith(OWN_FAMILY_PREFIXES):
+            other.add_metric([event], value)
     yield other
+
+
+# Events with a family of their own (below), left out of kvprefetchd_events_total.
+OWN_FAMILY_PREFIXES = ("log_", "metrics_")
+# The metrics endpoint's counts (metrics_http.MetricsServer.counts) by family and label.
+_SCRAPE_RESULTS = ("served", "not_found", "bad")
+_CLOSE_REASONS = ("expired", "evicted", "refused", "refused_address", "refused_address_rate",
+                  "refused_rate")
+
+
+def _log_sink(events: Mapping[str, int]) -> Iterator[Metric]:
+    """The supervisor's log sink (logs.py): what it failed to write, and what it dropped."""
+    yield _single(
+        "kvprefetchd_log_write_errors",
+        "Writes to the log sink that failed (ENOSPC, EIO, EPIPE...): retried with backoff, "
+        "then the journal takes over when there is one.", "counter",
+        events.get("log_write_errors", 0),
+    )
+    yield _single(
+        "kvprefetchd_log_lines_dropped",
+        "Log lines dropped because the sink was full (nobody reading) or failing; the log "
+        "says how many once it works again.", "counter", events.get("log_lines_dropped", 0),
+    )
+    yield _single(
+        "kvprefetchd_log_sink_replaced",
+        "Times a failing log sink was replaced by the journal's stream.", "counter",
+        events.get("log_sink_replaced", 0),
+    )
+
+
+def _metrics_endpoint(events: Mapping[str, int]) -> Iterator[Metric]:
+    """This endpoint's own bounds (metrics_limits.py): each refusal counted by reason."""
+    scrapes = CounterMetricFamily(
+        "kvprefetchd_metrics_scrapes",
+        "Requests to the metrics endpoint by result (served, not_found, bad).",
+        labels=["result"],
+    )
+    for result in _SCRAPE_RESULTS:
+        scrapes.add_metric([result], events.get(f"metrics_{result}", 0))
+    yield scrapes
+    yield _single(
+        "kvprefetchd_metrics_cached_scrapes",
+        "Scrapes answered with the page rendered less than metrics_cache_seconds before.",
+        "counter", events.get("metrics_cached", 0),
+    )
+    closed = CounterMetricFamily(
+        "kvprefetchd_metrics_connections_closed",
+        "Metrics connections closed unserved: expired (no whole request within "
+        "metrics_header_timeout, or not done in 2 s), evicted (for a newcomer when every "
+        "slot was taken), refused (no slot), refused_address "
+        "(metrics_max_clients_per_address), refused_address_rate "
+        "(metrics_rate_per_address), refused_rate (metrics_rate).",
+        labels=["reason"],
+    )
+    for reason in _CLOSE_REASONS:
+        closed.add_metric([reason], events.get(f"metrics_{reason}", 0))
+    yield closed
+    yield _single(
+        "kvprefetchd_metrics_accept_pauses",
+        "Times the metrics listener paused for 25 ms, having accepted 2,000 connections a "
+        "second (a flood: the rest wait in the backlog).", "counter",
+        events.get("metrics_accept_paused", 0),
+    )
 
 
 def _files(files: FileCounts, stats: Stats) -> Iterator[Metric]:
@@ -186,8 +271,22 @@ def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
         "handed to an engine, by outcome (resident, missing).",
         labels=["worker", "outcome"],
     )
+    stuck = GaugeMetricFamily(
+        "kvprefetchd_other_mount_stuck_threads",
+        "Threads of a worker's lane for files behind another mount beneath their root "
+        "held by a read past its stall time (at most other_mount_threads).",
+        labels=["worker"],
+    )
+    refused = CounterMetricFamily(
+        "kvprefetchd_other_mount_refused",
+        "Files behind another mount beneath their root failed at once "
+        "(mount_unresponsive): every thread of that lane was stuck.",
+        labels=["worker"],
+    )
     for label, worker in zip(labels, workers, strict=True):
         depth.add_metric([label], worker["queue_depth"])
+        stuck.add_metric([label], worker["queue"].get("other_mount_stuck", 0))
+        refused.add_metric([label], worker["queue"].get("other_mount_refused", 0))
         probed.add_metric([label, "resident"], worker["probed_resident"])
         probed.add_metric([label, "missing"], worker["probed_missing"])
         ready.add_metric([label], float(worker["ready"]))
@@ -207,6 +306,8 @@ def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
     yield batches
     yield dedup
     yield probed
+    yield stuck
+    yield refused
     yield from _process("kvprefetchd_worker", "A worker", ["worker"], workers, labels)
 
 

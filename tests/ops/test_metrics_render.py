@@ -156,6 +156,10 @@ def test_render_names_labels_and_values() -> None:
     assert sample(f, "kvprefetchd_queue_depth:gauge", worker="0") == 3
     assert sample(f, "kvprefetchd_queue_depth:gauge", worker="1") == 0
     assert sample(f, "kvprefetchd_queue_limit:gauge") == 8192
+    assert sample(f, "kvprefetchd_other_mount_stuck_threads:gauge", worker="0") == 2
+    assert sample(f, "kvprefetchd_other_mount_stuck_threads:gauge", worker="1") == 0  # no report
+    assert sample(f, "kvprefetchd_other_mount_refused:counter",
+                  "kvprefetchd_other_mount_refused_total", worker="0") == 5
     assert sample(f, "kvprefetchd_worker_ready:gauge", worker="1") == 0
     assert sample(f, "kvprefetchd_worker_rss_bytes:gauge", worker="1") == 19_000_000
     assert sample(
@@ -244,7 +248,8 @@ def test_an_empty_histogram_still_renders_its_family() -> None:
 def test_labels_are_escaped() -> None:
     stats = realistic_stats()
     stats["roots"] = [
-        {"root": '/mnt/"odd"\\path\n', "fstype": "nfs4", "rule": "pagecache", "why": ""}
+        {"root": '/mnt/"odd"\\path\n', "fstype": "nfs4", "rule": "pagecache", "why": "",
+         "status": "open", "reopened": 0}
     ]
     f = parse(render(stats))
     assert sample(

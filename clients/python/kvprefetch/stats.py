@@ -60,6 +60,10 @@ class QueueStats(TypedDict, total=False):
     stalled: int  # reads running past the stall time (holding threads, not depth)
     timed_out: int  # files settled `failed` at file_timeout since the worker started
     depth: dict[str, list[int]]  # root index -> [reads in flight allowed, service time us]
+    # The lane for files behind another mount beneath their root (other_mount_threads):
+    other_mount_threads: int  # its threads now
+    other_mount_stuck: int  # of them, held by a read past its stall time
+    other_mount_refused: int  # files failed `mount_unresponsive` since the worker started
 
 
 class FileCounts(TypedDict):
@@ -107,12 +111,20 @@ class LatencyStats(TypedDict):
     file_seconds: HistogramSnapshot
 
 
+# A root's states (RootStats.status), in the order a scrape lists them.
+ROOT_STATUSES = ("opening", "open", "missing", "refused", "unresponsive", "error")
+
+
 class RootStats(TypedDict):
     root: str
     fstype: str  # "unknown" until the root is open
     rule: str  # the residency rule: tier, pagecache or off ("unknown" until open)
-    why: str  # why that rule; why the root is not open, when it is not
-    status: str  # open, opening, missing, refused, unresponsive or error
+    why: str  # why that rule; why the root is not open (or what is wrong with its path)
+    # opening (not answered yet), open, missing (its path leads nowhere: no directory
+    # held, its files are missing), refused (its path is refused; a directory opened
+    # earlier stays in force), unresponsive (its file system does not answer) or error
+    status: str
+    reopened: int  # times opened again: replaced (removed, mounted over), or back after missing
 
 
 class StuckProcess(TypedDict):
