@@ -21,9 +21,11 @@ from kvharness.wire import RawConnection
 # (socket, paths, head, chunk_paths) -> the `wait` replies
 Prefetch = Callable[[str, Sequence[str], int, int], list[dict[str, Any]]]
 
-# The host's reclaimer may take a few verified-resident heads between the warm state's
-# check and the request (pages read once can go within seconds here): the daemon then
-# rightly reads them again. Up to this share of such re-reads still makes a clean run.
+# The warm state's heads are mlocked for the run (warmup_measure.measure): none can go.
+# Where mlock is refused (no CAP_IPC_LOCK, RLIMIT_MEMLOCK too small) they are only mapped,
+# and the host's reclaimer may take a few between the check and the request (pages read
+# once can go within seconds here): the daemon then rightly reads them again. Up to this
+# share of such re-reads still makes a clean run (the tests hold mlocked runs to none).
 WARM_REREAD_TOLERANCE = 0.03
 
 

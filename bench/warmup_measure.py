@@ -21,7 +21,7 @@ from machine import busy_cpu_seconds, children_cpu, disk_read_bytes, drop_count,
 from warmup_methods import BASELINE, Env, warm
 from warmup_tools import DEVICE_REFERENCE
 
-from kvharness.pagecache import residency
+from kvharness.pagecache import Pin, cached_and_reclaimed, pinned
 
 
 def own_cpu(env: Env) -> float:
@@ -57,19 +57,23 @@ def consume(paths: Sequence[str], head: int) -> tuple[float, int]:
 
 
 def residency_profile(paths: Sequence[str], head: int) -> dict[str, Any]:
-    """Per-file means of whole-file and head residency (cachestat, so reads in flight count)."""
+    """Per-file means of whole-file and head residency (cachestat, so reads in flight
+    count), and of what the host's reclaimer took back after it was cached."""
     started = time.perf_counter()
-    whole = in_head = size = 0
+    whole = in_head = size = whole_reclaimed = head_reclaimed = 0
     for path in paths:
-        resident, file_size = residency(path)
-        whole += resident
-        size += file_size
-        in_head += residency(path, 0, head)[0]
+        size += os.stat(path).st_size
+        resident, reclaimed = cached_and_reclaimed(path)
+        whole, whole_reclaimed = whole + resident, whole_reclaimed + reclaimed
+        resident, reclaimed = cached_and_reclaimed(path, 0, head)
+        in_head, head_reclaimed = in_head + resident, head_reclaimed + reclaimed
     count = max(1, len(paths))
     return {
         "sampled_files": len(paths),
         "whole_file_bytes_per_file": whole / count,
         "head_bytes_per_file": in_head / count,
+        "whole_file_reclaimed_bytes_per_file": whole_reclaimed / count,
+        "head_reclaimed_bytes_per_file": head_reclaimed / count,
         "file_bytes_per_file": size / count,
         "seconds": round(time.perf_counter() - started, 4),
     }
@@ -85,15 +89,26 @@ def measure(env: Env, method: str, args: argparse.Namespace, stat: Path | None,
     `interference` lists reasons to distrust the run: a drop_caches by someone else
     between the warm-up's start and the consumer's end, or the disk reading far more
     than this method's own pages account for (another process reading).
+
+    The warm state's heads are read and mlocked for the whole run (pagecache.pinned):
+    the host's reclaimer and others' drop_caches cannot take one before the method looks.
     """
+    if env.state == "cold":
+        return measure_run(env, method, args, stat, sample, rep, None)
+    with pinned(env.paths, env.head) as pin:
+        return measure_run(env, method, args, stat, sample, rep, pin)
+
+
+def measure_run(env: Env, method: str, args: argparse.Namespace, stat: Path | None,
+                sample: Sequence[str], rep: int, pin: Pin | None) -> dict[str, Any]:
     files = len(env.paths)
     own = drop_count()
-    if env.state == "cold":
+    if pin is None:
         report = cold.make_cold(env.paths, args.cold, args.settle, 64, args.seed + rep)
         own += report.method.startswith("drop")
         prepared, prepared_report = report.cold, report.as_dict()
     else:
-        prepared_report = make_resident(env.paths, env.head, sample)
+        prepared_report = held_resident(pin, env.head, sample)
         prepared = prepared_report["resident"]
     waited, quiet = wait_quiet(stat, args.quiet_wait, own) if args.quiet_wait > 0 \
         else (0.0, True)
@@ -132,6 +147,7 @@ def measure(env: Env, method: str, args: argparse.Namespace, stat: Path | None,
         # the set was verified cold (or, in the warm state, resident) before the method
         "cold": prepared if env.state == "cold" else False,
         "prepared": prepared,
+        "mlocked": len(pin.locked) if pin else 0,  # heads no reclaimer could take
         "cold_report": prepared_report,
         "waited_for_quiet_s": round(waited, 2),
         "warm_s": result["seconds"],
@@ -150,19 +166,14 @@ def measure(env: Env, method: str, args: argparse.Namespace, stat: Path | None,
     }
 
 
-def make_resident(paths: Sequence[str], head: int, sample: Sequence[str]) -> dict[str, Any]:
-    """The warm state: read every head (the consumer's read), then verify on the sample.
-
-    Read pages stay about a minute on this VM before the host's reclaimer takes them;
-    a run follows within seconds, and a head found short is read again once.
-    """
+def held_resident(pin: Pin, head: int, sample: Sequence[str]) -> dict[str, Any]:
+    """The warm state, as pinned (every head read and mlocked), verified on the sample.
+    Where mlock is refused the heads are only mapped: `kept` counts the ones still whole."""
     started = time.monotonic()
-    consume(paths, head)
+    kept = len(pin.kept())
     profile = residency_profile(sample, head)
-    if profile["head_bytes_per_file"] < head:
-        consume(sample, head)
-        profile = residency_profile(sample, head)
-    return {"method": "read", "seconds": round(time.monotonic() - started, 3),
+    return {"method": "pinned", "seconds": round(time.monotonic() - started, 3),
+            "mlocked": len(pin.locked), "kept": kept, "why_not_locked": pin.why,
             "sampled_files": profile["sampled_files"],
             "head_bytes_per_file": profile["head_bytes_per_file"],
-            "resident": profile["head_bytes_per_file"] >= 0.99 * head}
+            "resident": kept == len(pin.paths)}

@@ -209,7 +209,8 @@ def test_kill_9_at_random_moments_under_load_answers_every_request_and_balances(
         """Keep the workers reading, not answering `resident` from the page cache."""
         pick = random.Random(1)
         while not stop.is_set():
-            evict(pick.choice(paths), sync=False)  # written and synced by make_file
+            # written and synced by make_file; racing the workers' reads: not verified
+            evict(pick.choice(paths), sync=False, verify=False)
             time.sleep(0.001)
 
     threads = [threading.Thread(target=client, args=(seed, seed < 3)) for seed in range(5)]

@@ -5,6 +5,7 @@ names and reasons as the engines give, and never on a root the probe must not to
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from test_tier import daemon_on, make_files, mount
 from test_verbs import ok, start, write
 
 from kvharness.daemon import Daemon
-from kvharness.pagecache import evict
+from kvharness.pagecache import Pin, pinned
 
 KiB = 1024
 
@@ -36,43 +37,63 @@ def kv(tmp_path: Path) -> Path:
 def test_warm_and_missing_files_are_answered_by_the_probe_alike(tmp_path: Path,
                                                                  kv: Path) -> None:
     hot = [write(kv / f"hot{i}", 64 * KiB) for i in range(200)]
-    cold = [write(kv / f"cold{i}", 64 * KiB) for i in range(20)]
-    for path in hot:
-        with open(path, "rb") as handle:
-            handle.read()
-    for path in cold:
-        evict(path)
+    cold = [write(kv / f"cold{i}", 64 * KiB) for i in range(20)]  # evicted, verified
     absent = [str(kv / f"absent{i}") for i in range(30)]
-    daemon = start(tmp_path, kv, dedup_ttl_ms=0)
-    try:
-        first = ok(daemon, "prefetch", paths=hot + cold + absent, wait=True, max_failures=1000)
-        # The absent names were never looked up: the engines said `missing` (and the kernel
-        # now keeps their negative dentries), so the second time the probe says it.
-        second = ok(daemon, "prefetch", paths=hot + absent, wait=True, max_failures=1000)
-        fire = ok(daemon, "prefetch", paths=hot + absent)
-        assert fire["accepted"] == len(hot) + len(absent)
-        give_up = time.monotonic() + 30
-        while daemon.stats()["files"]["in_flight"]:  # the fire-and-forget files settle
-            assert time.monotonic() < give_up
-            time.sleep(0.01)
-        resident, missing = probed(daemon)
-    finally:
-        daemon.stop()
-    # The host's reclaimer may take a few warm heads before the daemon looks: those are
-    # read, never lost (a ~1% late eviction is tolerated, as everywhere here).
-    assert first["outcomes"]["read"] + first["outcomes"]["resident"] == len(hot) + len(cold)
-    assert first["outcomes"]["read"] >= len(cold)
-    assert first["outcomes"]["resident"] >= 0.97 * len(hot), first["outcomes"]
+    # The hot heads are read and mlocked for the whole test: the host's reclaimer and
+    # other tests' drop_caches cannot take them between this read and the daemon's look.
+    with pinned(hot) as pin:
+        daemon = start(tmp_path, kv, dedup_ttl_ms=0)
+        try:
+            warm = pin.kept()  # all 200 when mlocked; else the ones the reclaimer left
+            first = ok(daemon, "prefetch", paths=hot + cold + absent, wait=True,
+                       max_failures=1000)
+            # The absent names were never looked up: the engines said `missing` (and the
+            # kernel now keeps their negative dentries), so from now on the probe does.
+            second, rounds = until_the_probe_answers_all(daemon, pin, absent)
+            fired = daemon.stats()["files"]
+            warm_fired = pin.kept()
+            fire = ok(daemon, "prefetch", paths=hot + absent)
+            assert fire["accepted"] == len(hot) + len(absent)
+            give_up = time.monotonic() + 30
+            while (settled := daemon.stats()["files"])["in_flight"]:  # fire-and-forget
+                assert time.monotonic() < give_up
+                time.sleep(0.01)
+        finally:
+            daemon.stop()
+    assert first["outcomes"]["resident"] == len(warm), (first["outcomes"], pin.why)
+    assert first["outcomes"]["read"] == len(cold) + len(hot) - len(warm)
     assert first["outcomes"]["missing"] == len(absent)
-    assert second["outcomes"]["read"] + second["outcomes"]["resident"] == len(hot)
-    assert second["outcomes"]["missing"] == len(absent)
     # Named and explained as the engines name them, whoever settled them.
     for reply in (first, second):
         assert sorted(f["path"] for f in reply["failures"]) == sorted(absent)
         assert {(f["outcome"], f["reason"]) for f in reply["failures"]} == {
             ("missing", "ENOENT")}
-    assert resident >= 0.97 * 3 * len(hot)  # all three times, but for a reclaimed head
-    assert missing >= 2 * len(absent)
+    assert settled["resident"] - fired["resident"] == len(warm_fired)
+    assert settled["missing"] - fired["missing"] == len(absent)
+    print(f"the probe answered a whole request in round {rounds}")
+
+
+def until_the_probe_answers_all(daemon: Daemon, pin: Pin,
+                                absent: list[str]) -> tuple[dict[str, Any], int]:
+    """Ask for the warm and absent names until one request is settled by the probe alone:
+    every warm head `resident`, every absent name `missing`. Each reply must be exact
+    whoever settled it; the probe hands the rest of a call to the queue after any file
+    slower than 1 ms (KVP_PROBE_SLOW_NS), so a worker preempted on this shared machine
+    may leave part of a round to the queue. The reply and the round it took."""
+    give_up = time.monotonic() + 60
+    for rounds in itertools.count(1):
+        warm = pin.kept()
+        before = probed(daemon)
+        reply = ok(daemon, "prefetch", paths=pin.paths + absent, wait=True,
+                   max_failures=1000)
+        after = probed(daemon)
+        assert reply["outcomes"]["resident"] == len(warm), (reply["outcomes"], pin.why)
+        assert reply["outcomes"]["read"] == len(pin.paths) - len(warm)
+        assert reply["outcomes"]["missing"] == len(absent)
+        if (after[0] - before[0], after[1] - before[1]) == (len(warm), len(absent)):
+            return reply, rounds
+        assert time.monotonic() < give_up, f"the probe never answered a whole round {after}"
+    raise AssertionError("unreachable")
 
 
 def test_every_spelling_and_every_root_lands_where_the_python_gate_puts_it(

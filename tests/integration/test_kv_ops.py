@@ -13,7 +13,7 @@ import pytest
 
 from kv_vectors import CHAIN_FILES, one_group_layout, vector, versions_of
 from kvharness.daemon import Daemon, command
-from kvharness.pagecache import make_file, resident_bytes
+from kvharness.pagecache import assert_warmed, drops, make_file
 from open_audit import OpenAudit
 
 
@@ -242,10 +242,11 @@ def test_a_profile_may_warm_by_advice_while_the_daemon_reads(
     prompts = [{"token_ids": list(range(64))}]
     paths = [Path(p) for p in d.call("resolve", model="m", prompts=prompts)["paths"]]
     for path in paths:
-        make_file(path, 256 * 1024)
+        make_file(path, 256 * 1024)  # evicted, verified
+    since = drops()
     reply = d.call("prefetch_blocks", model="m", prompts=prompts, wait=True)
     assert reply["outcomes"]["read"] == len(paths) == 4, reply
-    assert all(resident_bytes(p, 256 * 1024) == 256 * 1024 for p in paths)
+    assert_warmed(paths, 256 * 1024, since=since)  # every page, or reclaimed since
     workers = d.call("stats")["stats"]["workers"]
     assert sum(w.get("batches_other_mode", 0) for w in workers) >= 1
     plain = make_file(root / "plain.bin", 4096)

@@ -21,7 +21,7 @@ import pytest
 from kvharness import netns
 from kvharness.certs import issue, make_ca, server_cert
 from kvharness.daemon import Daemon, launch, write_config
-from kvharness.pagecache import evict, resident_bytes
+from kvharness.pagecache import assert_warmed, drops, evict, residency, resident_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = "spiffe://cluster.local/ns/llm-d/sa/router"
@@ -82,6 +82,7 @@ def make_file(daemon: Daemon, name: str) -> str:
 def test_the_go_client_fans_out_to_the_gateway_and_the_node(hosts: dict[str, Any]) -> None:
     gateway, node = hosts["gateway"], hosts["node"]
     paths = [make_file(gateway, "shared.bin"), make_file(node, "local.bin")]
+    since = drops()
     subprocess.run([str(REPO / "clients/go/run-tests"), "--go", "version"], check=True,
                    capture_output=True, timeout=600)  # installs Go outside the namespace
     net, router = hosts["net"], hosts["router"]
@@ -100,8 +101,10 @@ def test_the_go_client_fans_out_to_the_gateway_and_the_node(hosts: dict[str, Any
     for daemon in (gateway, node):
         files = daemon.stats()["files"]
         assert files["accepted"] == 100 and files["rejected_by_supervisor"] == 100, files
-    # read_bytes is 4096: the head of each, warmed on its own host.
-    assert resident_bytes(paths[0], 8192) == 4096 and resident_bytes(paths[1], 8192) == 4096
+    # read_bytes is 4096: the head of each, warmed on its own host (up to date, or taken
+    # by the host's reclaimer since), and nothing beyond it.
+    assert_warmed(paths, 4096, since=since)
+    assert all(residency(path, 4096, 4096, uptodate=True)[0] == 0 for path in paths)
 
 
 def test_an_unlisted_client_and_plaintext_are_refused_across_the_link(

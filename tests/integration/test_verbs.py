@@ -18,7 +18,7 @@ import pytest
 from test_tier import daemon_on, make_files, mount
 
 from kvharness.daemon import Daemon, start_config
-from kvharness.pagecache import evict, resident_bytes
+from kvharness.pagecache import evict, pinned, resident_bytes
 from kvharness.wire import RawConnection
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -221,20 +221,18 @@ def test_check_reports_residency_without_reading_or_touching_atime(
 ) -> None:
     cold = write(kv / "cold", MiB)
     warm = write(kv / "warm", 256 * KiB)
-    with open(warm, "rb") as handle:
-        handle.read()
     before = age_atime(cold)
-    daemon = start(tmp_path, kv)
-    try:
-        summary = ok(daemon, "check", paths=[cold, warm, str(kv / "nope"), "/etc/passwd"])
-        detailed = ok(daemon, "check", paths=[cold, warm], details=True, read_bytes=MiB)
-        stats = daemon.stats()
-    finally:
-        daemon.stop()
+    with pinned([warm]) as pin:  # read and mlocked: no reclaimer or drop_caches takes it
+        daemon = start(tmp_path, kv)
+        try:
+            pin.require_all()
+            summary = ok(daemon, "check", paths=[cold, warm, str(kv / "nope"), "/etc/passwd"])
+            detailed = ok(daemon, "check", paths=[cold, warm], details=True, read_bytes=MiB)
+            stats = daemon.stats()
+        finally:
+            daemon.stop()
     assert os.stat(cold).st_atime == before, "check changed atime"
     assert resident_bytes(cold, MiB) == 0, "check read the file"
-    if summary["states"]["resident"] != 1:
-        pytest.skip("the host reclaimed the warm file meanwhile")
     assert summary["states"] == {"resident": 1, "cold": 1, "missing": 1, "rejected": 1,
                                  "failed": 0, "dropped": 0, "expired": 0}
     assert summary["files"] == 4 and summary["resident_files"] == 1

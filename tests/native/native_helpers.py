@@ -1,23 +1,29 @@
 """Helpers for the native tests: real files, the real page cache, the real extension.
 
 Nothing is mocked.  Files are written and fsync'ed in tmp dirs, evicted with
-posix_fadvise(DONTNEED), and their residency read back through the extension's
-kvp_resident_bytes(uptodate=1) (mincore: counts only pages whose read is done).
+posix_fadvise(DONTNEED) until nothing is cached (kvharness.pagecache.evict), and their
+residency read back through the extension's kvp_resident_bytes(uptodate=1) (mincore:
+counts only pages whose read is done).  What an engine warmed is checked by
+assert_warm, which tells the host's reclaimer from a page never read (cachestat's
+shadow entries); what a test needs resident is held with kvharness.pagecache.pinned.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import select
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvharness import pagecache
 from kvprefetchd._native import ffi, lib
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -224,17 +230,9 @@ def write_file(path: Path, size: int, *, seed: int = 0) -> Path:
 
 
 def evict(path: Path) -> None:
-    """Drop the file's clean pages (written pages were fsync'ed: DONTNEED
-    cannot drop dirty or writeback pages) and check they are gone."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        size = os.fstat(fd).st_size
-        left = lib.kvp_resident_bytes(fd, 0, size, 1)
-        assert 0 <= left <= size // 100, f"{path}: {left} bytes still cached after DONTNEED"
-    finally:
-        os.close(fd)
+    """Drop the file's pages (synced first: DONTNEED cannot drop dirty or writeback
+    pages) and check that none is left, retrying (kvharness.pagecache.evict)."""
+    pagecache.evict(path)
 
 
 def resident(path: Path, off: int = 0, length: int | None = None, uptodate: int = 1) -> int:
@@ -250,12 +248,15 @@ def resident(path: Path, off: int = 0, length: int | None = None, uptodate: int 
 
 
 _canary: Path | None = None
+_drops: int | None = None
 
 
 def set_canary(path: Path | None) -> None:
-    """A small file read into the page cache when a test starts (conftest)."""
-    global _canary
+    """A small file read into the page cache when a test starts (conftest), and the
+    count of drop_caches so far (assert_warm skips if someone dropped caches since)."""
+    global _canary, _drops
     _canary = path
+    _drops = pagecache.drops()
     if path is not None:
         write_file(path, 64 * KiB)
         with open(path, "rb") as f:
@@ -270,19 +271,53 @@ def skip_if_dropped() -> bool:
     return False
 
 
-def check_warm(got: int, want: int, what: str) -> None:
-    """Fail unless at least 99% of want is resident (a host reclaimer may evict
-    a little late).  If the canary is gone too, something dropped the whole
-    page cache under the test (another benchmark's drop_caches on a shared
-    machine): skip rather than blame the engine."""
-    if got < want - want // 100 and not skip_if_dropped():
-        raise AssertionError(f"{what}: {got} of {want} bytes resident")
-
-
-def assert_warm(path: Path, head: int) -> None:
-    """The head is in the page cache and uptodate (mincore)."""
-    check_warm(resident(path, 0, head, 1), head, str(path))
+def assert_warm(path: Path, head: int, offset: int = 0) -> None:
+    """Every page of [offset, offset+head) was read in: up to date in the page cache
+    (mincore), or taken by the host's reclaimer since (a shadow entry); a drop_caches by
+    someone else since the test started skips it. The file must have been cold."""
+    pagecache.assert_warmed([path], head, since=_drops, offset=offset)
 
 
 def open_root(path: Path) -> int:
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+class Child:
+    """fn() in a forked child, its JSON result through a pipe: a call held by a file system
+    that never answers shows as no result by the deadline, not as a hung test. Reap the
+    child once whatever holds it is released."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._read, write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.close(self._read)
+                os.write(write, json.dumps(fn()).encode())
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(write)
+
+    def result(self, seconds: float) -> Any:
+        """fn's result, or None when the child has not answered within `seconds`."""
+        ready, _, _ = select.select([self._read], [], [], seconds)
+        if not ready:
+            return None
+        with os.fdopen(self._read) as pipe:
+            text = pipe.read()
+        self._read = -1
+        return json.loads(text) if text else None
+
+    def reap(self, seconds: float = 30.0) -> None:
+        """Wait for the child to exit (it may need a released file system first)."""
+        if self._read >= 0:
+            os.close(self._read)
+            self._read = -1
+        deadline = time.monotonic() + seconds
+        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, f"child {self.pid} is still held"
+            time.sleep(0.05)

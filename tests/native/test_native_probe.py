@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from native_helpers import KiB, evict, open_root, skip_if_dropped, write_file
+from native_helpers import Child, KiB, evict, open_root, skip_if_dropped, write_file
 
 from kvprefetchd._native import ffi, lib
 
@@ -161,3 +161,45 @@ def test_names_outside_the_dentry_cache_are_left_to_the_queue(
     probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
     # Neither the file nor the absent name is known any more: no answer without I/O.
     assert probe.run([(0, "d/f"), (0, "d/g")], 4 * KiB) == ([], [], [0, 1])
+
+
+def test_names_behind_another_mount_beneath_the_root_are_left_to_the_queue(
+        root: Any, probe_works: None, tmpfs_beneath: Path) -> None:
+    """The root is local; a tmpfs mounted in it is another file system the probe did not
+    judge (it might as well be FUSE): its files go to the queue even when resident, and a
+    name it says is absent is not `missing` by the probe's word."""
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    write_file(root.path / "hot", 4 * KiB)
+    warm(root.path / "hot")
+    write_file(tmpfs_beneath / "f", 4 * KiB)  # tmpfs: resident for as long as it exists
+    os.symlink("sub/f", root.path / "link")
+    assert not (tmpfs_beneath / "absent").exists()  # a negative dentry, on the tmpfs
+    probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
+    names = ["hot", "sub/f", "sub", "link", "sub/absent"]
+    found, missing, rest = probe.run([(0, name) for name in names], 4 * KiB)
+    assert (missing, rest) == ([], [1, 2, 3, 4])
+    assert found == [0] or skip_if_dropped()
+
+
+def test_a_hung_fuse_mount_beneath_the_root_is_never_asked(
+        root: Any, probe_works: None, hung_beneath: Any) -> None:
+    """Issue 23: a FUSE server hung in a subdirectory of a local root held the worker's
+    thread in the probe's reopen (GETATTR from FUSE's permission check). The walk stops at
+    the mount point now: the files go to the queue and the server sees no request at all."""
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    write_file(root.path / "hot", 4 * KiB)
+    warm(root.path / "hot")
+    probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
+    names = ["tier/hung/f0", "hot", "tier/hung/f1", "tier", "tier/hung"]
+    child = Child(lambda: probe.run([(0, name) for name in names], 4 * KiB))
+    got = child.result(10.0)
+    asked = hung_beneath.stats()
+    hung_beneath.release()
+    child.reap()
+    assert got is not None, f"the probe was held by the hung mount: {asked}"
+    found, missing, rest = got
+    assert (missing, rest) == ([], [0, 2, 3, 4])
+    assert found == [1] or skip_if_dropped()
+    assert (asked.lookups, asked.getattrs, asked.opens, asked.held_total) == (0, 0, 0, 0), asked
