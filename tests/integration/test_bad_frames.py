@@ -70,6 +70,15 @@ EXPECTED: dict[str, Expect] = {
     "read-bytes-zero": Expect("read_bytes 0", "bad_request", 1),
     "read-bytes-huge": Expect("read_bytes 2^62, above max_read_bytes", "bad_request", 1),
     "timeout-negative": Expect("timeout_ms -1", "bad_request", 1),
+    # Numeric fields out of their range (docs/protocol.md, "Numeric fields"), issue 23: a
+    # deadline of 2^44 ms once overflowed a worker's native field and killed it.
+    "deadline-ms-2-44": Expect("deadline_ms 2^44, above a day", "bad_request", 1),
+    "deadline-ms-float": Expect("deadline_ms 1.5, not an integer", "bad_request", 1),
+    "deadline-ms-int64-max": Expect("deadline_ms 2^63-1", "bad_request", 1),
+    "deadline-unix-ms-huge": Expect("deadline_unix_ms 2^64-1, not within a day of now",
+                                    "bad_request", 1),
+    "max-failures-huge": Expect("max_failures 2^64-1, above 2^32-1", "bad_request", 1),
+    "timeout-ms-huge": Expect("a check's timeout_ms 2^64-1, above a day", "bad_request", 1),
     "prefetch-blocks-bad-hashes": Expect("prefetch_blocks naming a model that is not "
                                          "configured", "bad_request", 1),
     "resolve-no-profile": Expect("resolve with neither model nor hash and layout",

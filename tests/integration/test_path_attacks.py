@@ -593,11 +593,14 @@ def audit_strace(records: list[Open | Stat], arena: Arena) -> dict[str, Any]:
         calls[f"{open_.call}:{'ok' if open_.ok else open_.errno}"] += 1
         if not open_.ok:
             continue  # nothing was opened
-        # openat2 is beneath by construction: its dirfd must be a root, RESOLVE_BENEATH asked.
+        # openat2 is beneath by construction: its dirfd must be a root, RESOLVE_BENEATH asked
+        # (or RESOLVE_IN_ROOT for an O_PATH look that only tells a mount beneath the root
+        # from an escape: an escape is clamped to the root, nothing outside is named).
+        confined = "RESOLVE_BENEATH" in open_.resolve or (
+            "RESOLVE_IN_ROOT" in open_.resolve and open_.o_path)
         if open_.call == "openat2" and not (
                 open_.dirfd_path is not None and open_.dirfd_path.rstrip(b"/") in root_fds
-                and "RESOLVE_BENEATH" in open_.resolve
-                and "RESOLVE_NO_MAGICLINKS" in open_.resolve):
+                and confined and "RESOLVE_NO_MAGICLINKS" in open_.resolve):
             bad_openat2.append(open_)
         if not beneath(open_.path or b"", roots) and not daemon_internal(open_, python_dirs):
             outside.append(open_)
