@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvharness.attack import ListedRouter
 from kvharness.daemon import Daemon, start_cli
 
 
@@ -36,3 +37,10 @@ def daemon_factory(tmp_path: Path) -> Iterator[Any]:
 def daemon(daemon_factory: Any) -> Daemon:
     instance: Daemon = daemon_factory()
     return instance
+
+
+@pytest.fixture
+def listed_router(tmp_path: Path) -> ListedRouter:
+    """A TLS listener's files and a router it lists (kvharness.attack.ListedRouter): give
+    the daemon `.settings()` or `.args()`, and Watch `router=listed_router`."""
+    return ListedRouter.make(tmp_path)

@@ -23,15 +23,19 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import psutil
 
+from kvharness.certs import issue as issue_cert
+from kvharness.certs import make_ca, server_cert
 from kvharness.daemon import Daemon
 from kvharness.wire import RawConnection
 
@@ -185,6 +189,61 @@ class Watch:
             f"a worker died or was replaced: {figures.line()}")
         assert figures.rss_growth_mib < rss_growth_mib, f"memory grew: {figures.line()}"
         return figures
+
+
+ROUTER_ID = "spiffe://cluster.local/ns/llm-d/sa/attack-watch-router"
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class ListedRouter:
+    """A TLS listener for the daemon under attack and a router it lists, so that every
+    attack test holds the routers' bar too: pass `settings()` (a config file's keys) or
+    `args()` (command-line flags) to the daemon, and the object itself as Watch's router.
+    Each call is what a router does on a fresh connection: connect, handshake, ping."""
+
+    port: int
+    cert: Path
+    key: Path
+    ca: Path
+    client_cert: Path
+    client_key: Path
+    timeout: float = 2.0
+
+    @classmethod
+    def make(cls, directory: Path) -> ListedRouter:
+        ca = make_ca(directory / "attack-ca")
+        server = server_cert(ca, directory / "attack-ca")
+        client = issue_cert(ca, directory / "attack-ca", "router", common_name="router",
+                            uris=(ROUTER_ID,))
+        return cls(free_tcp_port(), server.cert, server.key, ca.cert, client.cert, client.key)
+
+    def settings(self) -> dict[str, Any]:
+        return {"listen_tcp": f"127.0.0.1:{self.port}", "tls_cert_file": str(self.cert),
+                "tls_key_file": str(self.key), "tls_client_ca_file": str(self.ca),
+                "tls_allowed_clients": [ROUTER_ID]}
+
+    def args(self) -> list[str]:
+        return ["--listen-tcp", f"127.0.0.1:{self.port}", "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(self.key), "--tls-client-ca-file", str(self.ca),
+                "--tls-allowed-client", ROUTER_ID]
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+    def __call__(self) -> None:
+        from kvprefetch import Client  # the router's own client, as a router imports it
+
+        with Client(f"tls://127.0.0.1:{self.port}", ssl_context=self.context(),
+                    timeout=self.timeout) as client:
+            client.ping()
 
 
 def assert_stops_within(daemon: Daemon, seconds: float = STOP_SECONDS) -> float:
