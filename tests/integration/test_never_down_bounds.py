@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvharness.attack import Watch, assert_stops_within
+from kvharness.attack import ListedRouter, Watch, assert_stops_within
 from kvharness.daemon import Daemon, start_config
 from kvharness.pagecache import evict, make_file, resident_bytes
 
@@ -179,16 +179,19 @@ class Victim(threading.Thread):
             self.error = error
 
 
-def test_a_flood_of_far_deadlines_costs_no_worker_and_no_file(tmp_path: Path) -> None:
+def test_a_flood_of_far_deadlines_costs_no_worker_and_no_file(
+    tmp_path: Path, listed_router: ListedRouter,
+) -> None:
     # No memory of recent reads: each of the victim's sends is read by an engine, where
-    # a worker's death loses it.
-    daemon, root = start(tmp_path, dedup_ttl_ms=0)
+    # a worker's death loses it. The daemon listens on TLS too: a listed router keeps
+    # connecting throughout.
+    daemon, root = start(tmp_path, dedup_ttl_ms=0, **listed_router.settings())
     try:
         count = int(ATTACK_RATE * ATTACK_SECONDS)
         bait = cold(root, "bait", count)
         victim = Victim(daemon, cold(root, "victim", 200))
         replies: list[dict[str, Any]] = []
-        with Watch(daemon) as watch:
+        with Watch(daemon, router=listed_router) as watch:
             victim.start()
             started = time.monotonic()
             for i in range(count):

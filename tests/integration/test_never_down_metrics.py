@@ -9,8 +9,9 @@ reading when the slots are full, an address holds at most 4 slots, new connectio
 per-address and shared token buckets (closed at once beyond them), and the page is
 rendered at most once per 0.5 s (metrics_limits.py).
 
-Inside attack.Watch: the Unix socket keeps answering pings (p99 < 50 ms), no worker dies,
-and SIGTERM still ends the daemon within 6 s. Attackers are forked processes (started
+Inside attack.Watch: the Unix socket keeps answering pings (p99 < 50 ms), a listed TLS
+router keeps connecting (>= 99%), no worker dies, and SIGTERM still ends the daemon within
+6 s. Attackers are forked processes (started
 before the Watch's threads exist) using loopback addresses 127.0.0.2 and up; the
 scraper is 127.0.0.1, a Prometheus the attackers cannot impersonate.
 """
@@ -42,9 +43,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_with_metrics(tmp_path: Path) -> tuple[Daemon, int]:
+def start_with_metrics(tmp_path: Path, router: attack.ListedRouter) -> tuple[Daemon, int]:
+    """The daemon with its metrics endpoint (its port returned) and `router`'s TLS
+    listener, so that the attack is also held to the routers' bar."""
     port = free_port()
-    daemon = start_cli(tmp_path, "--metrics", f"127.0.0.1:{port}", "--log-level", "warning")
+    daemon = start_cli(tmp_path, "--metrics", f"127.0.0.1:{port}", "--log-level", "warning",
+                       *router.args())
     return daemon, port
 
 
@@ -122,14 +126,16 @@ def hold_partial_requests(port: int, go: Any, stop: Any, opened: Any) -> None:
         key.fileobj.close()  # type: ignore[union-attr]
 
 
-def test_partial_requests_holding_every_slot_do_not_blind_the_scraper(tmp_path: Path) -> None:
-    daemon, port = start_with_metrics(tmp_path)
+def test_partial_requests_holding_every_slot_do_not_blind_the_scraper(
+    tmp_path: Path, listed_router: attack.ListedRouter,
+) -> None:
+    daemon, port = start_with_metrics(tmp_path, listed_router)
     go, stop, opened = FORK.Event(), FORK.Event(), FORK.Value("i", 0)
     holder = FORK.Process(target=hold_partial_requests, args=(port, go, stop, opened))
     holder.start()
     codes: list[int | None] = []
     try:
-        with attack.Watch(daemon) as watch:
+        with attack.Watch(daemon, router=listed_router) as watch:
             go.set()
             # Every slot taken and the attackers cycling: as many closed and reopened as
             # they hold.
@@ -177,14 +183,16 @@ def flood_scrapes(port: int, seconds: float, go: Any, done: Any) -> None:
     done[0], done[1] = sum(made), sum(served)
 
 
-def test_a_scrape_flood_costs_the_supervisor_a_bounded_share(tmp_path: Path) -> None:
-    daemon, port = start_with_metrics(tmp_path)
+def test_a_scrape_flood_costs_the_supervisor_a_bounded_share(
+    tmp_path: Path, listed_router: attack.ListedRouter,
+) -> None:
+    daemon, port = start_with_metrics(tmp_path, listed_router)
     assert scrape(port) == 200
     go, done = FORK.Event(), FORK.Array("i", 2)
     flooder = FORK.Process(target=flood_scrapes, args=(port, FLOOD_SECONDS, go, done))
     flooder.start()
     try:
-        with attack.Watch(daemon) as watch:
+        with attack.Watch(daemon, router=listed_router) as watch:
             cpu_before, wall_before = cpu_seconds(daemon.process.pid), time.monotonic()
             go.set()
             flooder.join(FLOOD_SECONDS + 30)

@@ -8,7 +8,8 @@
    open yet was looked at every 5 s even when a request named it.
 
 Each test failed on 0.3.0. The daemon is held to the issue's bar meanwhile (attack.Watch:
-pings answered, no worker lost, memory bounded; SIGTERM honoured within 6 s).
+pings answered, a listed TLS router connecting, no worker lost, memory bounded; SIGTERM
+honoured within 6 s).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 
 import tiersim
-from kvharness.attack import Watch, assert_stops_within
+from kvharness.attack import ListedRouter, Watch, assert_stops_within
 from kvharness.daemon import Daemon, start_config
 
 KiB = 1 << 10
@@ -70,14 +71,15 @@ def fuse_skip() -> Iterator[None]:
 
 
 def test_a_root_removed_and_made_again_is_reopened_and_its_new_files_served(
-    tmp_path: Path,
+    tmp_path: Path, listed_router: ListedRouter,
 ) -> None:
     root = tmp_path / "kv"
     old = files(root, 2)
-    daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "log_level": "info"})
+    daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "log_level": "info",
+                                     **listed_router.settings()})
     try:
         assert served(daemon, old)
-        with Watch(daemon) as watch:
+        with Watch(daemon, router=listed_router) as watch:
             shutil.rmtree(root)
             new = files(root, 3, "n")  # what the connector writes into the new directory
             took = wait_until(lambda: served(daemon, new), 10, lambda: (root_stats(daemon),
@@ -96,15 +98,18 @@ def test_a_root_removed_and_made_again_is_reopened_and_its_new_files_served(
 
 
 @as_root
-def test_a_tmpfs_mounted_over_a_root_is_followed_and_so_is_its_unmount(tmp_path: Path) -> None:
+def test_a_tmpfs_mounted_over_a_root_is_followed_and_so_is_its_unmount(
+    tmp_path: Path, listed_router: ListedRouter,
+) -> None:
     root = tmp_path / "kv"
     beneath = files(root, 2, "u")
-    daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "log_level": "info"})
+    daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "log_level": "info",
+                                     **listed_router.settings()})
     mounted = False
     try:
         assert served(daemon, beneath)
         fstype = root_stats(daemon)["fstype"]
-        with Watch(daemon) as watch:
+        with Watch(daemon, router=listed_router) as watch:
             result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "kvtest",
                                      str(root)], capture_output=True, text=True, check=False)
             if result.returncode != 0:  # pragma: no cover - a container without mounts
@@ -133,17 +138,19 @@ def test_a_tmpfs_mounted_over_a_root_is_followed_and_so_is_its_unmount(tmp_path:
         daemon.kill()
 
 
-def test_a_fuse_root_unmounted_and_mounted_again_is_followed(tmp_path: Path) -> None:
+def test_a_fuse_root_unmounted_and_mounted_again_is_followed(
+    tmp_path: Path, listed_router: ListedRouter,
+) -> None:
     backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
     first = [str(mountpoint / Path(p).name) for p in files(backing, 2)]
     with fuse_skip():
         tier = tiersim.Tier(backing, mountpoint, tiersim.TierOptions(latency_ms=1)).start()
     again: tiersim.Tier | None = None
     daemon = start_config(tmp_path, {"roots": [str(mountpoint)], "workers": 2,
-                                     "log_level": "info"})
+                                     "log_level": "info", **listed_router.settings()})
     try:
         assert served(daemon, first)
-        with Watch(daemon) as watch:
+        with Watch(daemon, router=listed_router) as watch:
             tier.close()  # the tier's server goes: a remount follows (after a fault, say)
             second = [str(mountpoint / Path(p).name) for p in files(backing, 2, "s")]
             again = tiersim.Tier(backing, mountpoint, tiersim.TierOptions(latency_ms=1)).start()
@@ -163,7 +170,9 @@ def test_a_fuse_root_unmounted_and_mounted_again_is_followed(tmp_path: Path) -> 
             again.close()
 
 
-def test_a_root_hung_at_start_delays_neither_ready_nor_another_root(tmp_path: Path) -> None:
+def test_a_root_hung_at_start_delays_neither_ready_nor_another_root(
+    tmp_path: Path, listed_router: ListedRouter,
+) -> None:
     backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     healthy = tmp_path / "healthy"
@@ -172,7 +181,8 @@ def test_a_root_hung_at_start_delays_neither_ready_nor_another_root(tmp_path: Pa
         tier.hold("stat", "/")  # the root's own getattr never answers: its walk hangs
         started = time.monotonic()
         daemon = start_config(tmp_path, {"roots": [str(mountpoint), str(healthy)],
-                                         "workers": 1, "fs_timeout": 10, "log_level": "info"})
+                                         "workers": 1, "fs_timeout": 10, "log_level": "info",
+                                         **listed_router.settings()})
         try:
             ready = time.monotonic() - started
             print(f"READY {ready:.2f} s after start with a hung root")
@@ -181,7 +191,7 @@ def test_a_root_hung_at_start_delays_neither_ready_nor_another_root(tmp_path: Pa
             assert ready < 4.5, ready  # 0.3.0: READY at 5 s, the healthy root open at 10 s
             hung, fine = daemon.stats()["roots"]
             assert hung["status"] == "opening" and fine["status"] == "open", (hung, fine)
-            with Watch(daemon) as watch:
+            with Watch(daemon, router=listed_router) as watch:
                 for _ in range(10):
                     assert served(daemon, present)
                     time.sleep(0.1)
@@ -192,9 +202,12 @@ def test_a_root_hung_at_start_delays_neither_ready_nor_another_root(tmp_path: Pa
             daemon.kill()
 
 
-def test_a_request_naming_a_root_not_open_has_it_looked_at_at_once(tmp_path: Path) -> None:
+def test_a_request_naming_a_root_not_open_has_it_looked_at_at_once(
+    tmp_path: Path, listed_router: ListedRouter,
+) -> None:
     root = tmp_path / "later"
-    daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "log_level": "info"})
+    daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "log_level": "info",
+                                     **listed_router.settings()})
     try:
         assert root_stats(daemon)["status"] == "missing"
         # Made just after one of the daemon's own looks, so that none is due for a while.
@@ -202,7 +215,7 @@ def test_a_request_naming_a_root_not_open_has_it_looked_at_at_once(tmp_path: Pat
         wait_until(lambda: daemon.stats()["scout"]["tasks"] > tasks, 10, lambda: "no look")
         paths = files(root, 2)
         made = time.monotonic()
-        with Watch(daemon) as watch:
+        with Watch(daemon, router=listed_router) as watch:
             wait_until(lambda: served(daemon, paths), 10, lambda: root_stats(daemon))
             took = time.monotonic() - made
         watch.assert_held()

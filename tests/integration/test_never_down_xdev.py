@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 import tiersim
-from kvharness.attack import Watch, assert_stops_within
+from kvharness.attack import ListedRouter, Watch, assert_stops_within
 from kvharness.daemon import Daemon, start_config
 from kvharness.pagecache import evict
 
@@ -93,25 +93,25 @@ def call(daemon: Daemon, op: str, **fields: Any) -> dict[str, Any]:
 
 
 def test_a_hung_fuse_mount_beneath_a_root_never_holds_a_worker(
-    tmp_path: Path, hung_tier: tuple[Path, Any, list[str]]
+    tmp_path: Path, hung_tier: tuple[Path, Any, list[str]], listed_router: ListedRouter,
 ) -> None:
     """Warm-ups (waited for and fire-and-forget) and checks of files behind a hung FUSE
     mount, again and again, while the root's own files are asked for: those are served
     every round, checks of the hung files answer at once (`other_mount`), their warm-ups
     time out in the queue (`ETIMEDOUT`, or `mount_unresponsive` once the queue's lane for
     them is stuck), no worker is killed, SIGTERM stops the daemon in time with the server
-    still hung."""
+    still hung; a listed TLS router keeps connecting throughout."""
     root, tier, hung = hung_tier
     healthy = healthy_files(root, int(ATTACK_SECONDS / ROUND_SECONDS + 4) * HEALTHY_PER_ROUND)
     daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "read_bytes": 16 * KiB,
                                      "worker_timeout": WORKER_TIMEOUT, "file_timeout": 1,
-                                     "log_level": "info"})
+                                     "log_level": "info", **listed_router.settings()})
     served: Counter[str] = Counter()
     checked: Counter[str] = Counter()
     rounds = 0
     try:
         tier.hold("stat", "/hung/")
-        with Watch(daemon) as watch, daemon.connect(timeout=30) as waiting:
+        with Watch(daemon, router=listed_router) as watch, daemon.connect(timeout=30) as waiting:
             started = time.monotonic()
             while time.monotonic() - started < ATTACK_SECONDS:
                 time.sleep(max(0.0, started + rounds * ROUND_SECONDS - time.monotonic()))
@@ -183,14 +183,15 @@ def threads_of(pid: int) -> int:
 ], ids=["defaults", "max_in_flight-8"])
 def test_names_under_a_hung_mount_never_starve_the_roots_own_files(
     tmp_path: Path, hung_tier: tuple[Path, Any, list[str]], burst_size: int,
-    settings: dict[str, Any],
+    settings: dict[str, Any], listed_router: ListedRouter,
 ) -> None:
     """1,100 names under a hung FUSE mount beneath the root, fire and forget, then the
     root's own cold files, waited for, round after round: each round is served within its
     wait (read or resident), the workers' threads stay bounded (the other-mount lane holds
     at most its few stuck threads), fresh names under the mount fail fast
     (`mount_unresponsive`) once that lane is stuck, and the daemon holds and stops in
-    time. And 40 such names with max_in_flight 8."""
+    time, a listed TLS router connecting throughout. And 40 such names with
+    max_in_flight 8."""
     root, tier, _ = hung_tier
     backing = tier.backing / "hung"
     names = [f"b{i:04d}.bin" for i in range(burst_size + 2 * HEALTHY_WAITED)]
@@ -201,7 +202,8 @@ def test_names_under_a_hung_mount_never_starve_the_roots_own_files(
     rounds_at_most = int(STARVE_SECONDS / ROUND_SECONDS) + 2
     healthy = healthy_files(root, rounds_at_most * HEALTHY_WAITED)
     daemon = start_config(tmp_path, {"roots": [str(root)], "workers": 2, "read_bytes": 16 * KiB,
-                                     "log_level": "info", **settings})
+                                     "log_level": "info", **settings,
+                                     **listed_router.settings()})
     served: Counter[str] = Counter()
     rounds = 0
     try:
@@ -209,7 +211,7 @@ def test_names_under_a_hung_mount_never_starve_the_roots_own_files(
         before = {pid: threads_of(pid) for pid in pids}
         peak = dict(before)
         tier.hold("stat", "/hung/")
-        with Watch(daemon) as watch:
+        with Watch(daemon, router=listed_router) as watch:
             assert call(daemon, "prefetch", paths=burst)["accepted"] == burst_size
             tier.wait_held(1)  # the burst has reached the mount
             started = time.monotonic()
