@@ -12,7 +12,8 @@ import (
 // docs/protocol.md is the one source of the protocol's names; the daemon and the Python
 // client are held to its tables by tests/unit/test_protocol_conformance.py, this client here.
 
-var docName = regexp.MustCompile("^`([a-z_]+)`$")
+// A name, or a field's path in a request (`layout.kv_cache_groups[].block_size`).
+var docName = regexp.MustCompile("^`([a-z_][a-z_.\\[\\]]*)`$")
 
 // docTables returns, per `## heading`, the first cell of every body row of its table.
 func docTables(t *testing.T) map[string][]string {
