@@ -254,8 +254,8 @@ def scout_main(sock: socket.socket, lane: str) -> NoReturn:
                 os.close(result.fd)
             else:
                 send_message(sock, (number, result))
-    except EOFError:
-        pass  # the supervisor is gone
+    except (EOFError, ConnectionResetError):
+        pass  # the supervisor is gone (a reset: it closed with our answer unread)
     except BaseException:
         log.exception("the scout crashed")
         status = 1

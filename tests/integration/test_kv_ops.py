@@ -193,7 +193,13 @@ def test_stale_fingerprint_is_detected_and_named(daemon_factory: Any, tmp_path: 
         prompt = {"token_ids": list(range(seed * 1000, seed * 1000 + 64))}
         reply = d.call("prefetch_blocks", model="m", prompts=[prompt], wait=True)
         assert reply["outcomes"]["missing"] == reply["accepted"] == 4
+    # The scan for the likely fingerprint runs in the scout, off the loop: its answer
+    # lands a moment after the streak that asked for it.
+    deadline = time.monotonic() + 10
     stale = d.call("stats")["stats"]["kv"]["stale"]["m"]
+    while not stale["stale"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stale = d.call("stats")["stats"]["kv"]["stale"]["m"]
     assert stale["stale"] and stale["likely_fingerprint"] == "bbbbbbbbbbbb", stale
     deadline = time.monotonic() + 5
     while "bbbbbbbbbbbb" not in d.log() and time.monotonic() < deadline:
