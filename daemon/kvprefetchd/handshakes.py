@@ -39,32 +39,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvprefetchd.tokenbucket import TokenBucket
+
 # Addresses remembered as routers' (the reserve) and per-address buckets kept: both
 # bounded, least recently used forgotten first. A forgotten bucket comes back full,
 # which the global bucket still bounds for addresses not seen before.
 KNOWN_ADDRESSES = 4096
 MAX_BUCKETS = 16384
 SWEEP_BUCKETS = 1024
-
-
-class TokenBucket:
-    """`rate` tokens a second, at most `burst` held; a handshake takes one."""
-
-    __slots__ = ("burst", "rate", "stamp", "tokens")
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.stamp = now
-
-    def refill(self, now: float) -> float:
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        return self.tokens
-
-    def take(self) -> None:
-        self.tokens -= 1
 
 
 @dataclass(eq=False)
@@ -107,12 +89,10 @@ class HandshakeGate:
 
     def configure(self, rate: int, rate_per_address: int) -> None:
         """A reload: new rates apply from now on (tokens held are kept, capped)."""
-        self.everyone.rate = self.everyone.burst = float(rate)
-        self.everyone.tokens = min(self.everyone.tokens, self.everyone.burst)
+        self.everyone.reshape(float(rate), float(rate))
         self.rate_per_address = float(rate_per_address)
         for bucket in self.buckets.values():
-            bucket.rate = bucket.burst = self.rate_per_address
-            bucket.tokens = min(bucket.tokens, bucket.burst)
+            bucket.reshape(self.rate_per_address, self.rate_per_address)
 
     def admit(self, address: str) -> str | None:
         """Take a token of `address`'s own bucket for one new connection, or say why it
@@ -126,10 +106,9 @@ class HandshakeGate:
                 self.buckets.popitem(last=False)
         else:
             self.buckets.move_to_end(address)
-        if bucket.refill(now) < 1:
+        if not bucket.take(now):
             return ("handshakes from this address come faster than "
                     "tls_handshake_rate_per_address")
-        bucket.take()
         return None
 
     def charge(self, address: str) -> str | None:
@@ -139,9 +118,8 @@ class HandshakeGate:
         silent connections, which cost a slot but no CPU, never spend it.)"""
         if address in self.known:
             return None
-        if self.everyone.refill(self.clock()) < 1:
+        if not self.everyone.take(self.clock()):
             return "handshakes from new addresses come faster than tls_handshake_rate"
-        self.everyone.take()
         return None
 
     def seen(self, address: str) -> None:
@@ -161,5 +139,7 @@ class HandshakeGate:
         addresses must not make the sweep itself a stall)."""
         now = self.clock()
         for address in list(itertools.islice(self.buckets, SWEEP_BUCKETS)):
-            if self.buckets[address].refill(now) >= self.buckets[address].burst:
+            bucket = self.buckets[address]
+            bucket.refill(now)
+            if bucket.full:
                 del self.buckets[address]

@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 from kvprefetchd.config import MetricsAddress, parse_metrics_address
 from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from kvprefetchd.listening import AcceptRest, accept_ready, listen_unix, out_of_fds
-from kvprefetchd.metrics_limits import Admission, MetricsLimits, TokenBucket, address_key
+from kvprefetchd.metrics_limits import Admission, MetricsLimits, address_key
+from kvprefetchd.tokenbucket import TokenBucket
 
 log = logging.getLogger("kvprefetchd.metrics")
 

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvprefetchd.tokenbucket import TokenBucket
+
 if TYPE_CHECKING:
     from kvprefetchd.config import Config
 
@@ -61,27 +63,6 @@ class MetricsLimits:
             rate_per_address=float(config.metrics_rate_per_address),
             cache_seconds=config.metrics_cache_seconds,
         )
-
-
-class TokenBucket:
-    """`rate` tokens a second, at most `burst` saved; one per admitted connection."""
-
-    __slots__ = ("burst", "rate", "stamp", "tokens")
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.stamp = now
-
-    def take(self, now: float) -> bool:
-        if now > self.stamp:
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-        if self.tokens < 1.0:
-            return False
-        self.tokens -= 1.0
-        return True
 
 
 def address_key(sock: socket.socket, family: int) -> str | None:
