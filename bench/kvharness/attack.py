@@ -260,6 +260,21 @@ def assert_stops_within(daemon: Daemon, seconds: float = STOP_SECONDS) -> float:
     return took
 
 
+def connect_from(source: str, port: int) -> socket.socket | None:
+    """A non-blocking TCP connect to 127.0.0.1:`port` from the loopback address `source`
+    (an attacker of its own: 127.0.0.2, .3, ...), under way; None when it cannot start
+    (out of ports or fds: the caller tries again later)."""
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        sock.bind((source, 0))
+        sock.connect_ex(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 def hold_open(count: int, connect: Callable[[], socket.socket]) -> list[socket.socket]:
     """`count` connections from `connect`, kept open by the caller (closed by it too)."""
     held: list[socket.socket] = []

@@ -88,13 +88,8 @@ def hold_partial_requests(port: int, go: Any, stop: Any, opened: Any) -> None:
     again: list[tuple[float, str]] = []
 
     def open_one(source: str) -> None:
-        sock = socket.socket()
-        sock.setblocking(False)
-        try:
-            sock.bind((source, 0))
-            sock.connect_ex(("127.0.0.1", port))
-        except OSError:
-            sock.close()
+        sock = attack.connect_from(source, port)
+        if sock is None:
             again.append((time.monotonic() + 0.02, source))
             return
         chooser.register(sock, selectors.EVENT_WRITE, [source, False])

@@ -234,13 +234,8 @@ def hold_silent_handshakes(port: int, sources: list[str], each: int, seconds: fl
     closed: deque[str] = deque()
 
     def open_one(source: str) -> None:
-        sock = socket.socket()
-        sock.setblocking(False)
-        try:
-            sock.bind((source, 0))
-            sock.connect_ex(("127.0.0.1", port))
-        except OSError:
-            sock.close()
+        sock = attack.connect_from(source, port)
+        if sock is None:
             closed.append(source)
             return
         chooser.register(sock, selectors.EVENT_READ, source)
