@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -169,31 +169,25 @@ def _log_sink(events: Mapping[str, int]) -> Iterator[Metric]:
 
 def _metrics_endpoint(events: Mapping[str, int]) -> Iterator[Metric]:
     """This endpoint's own bounds (metrics_limits.py): each refusal counted by reason."""
-    scrapes = CounterMetricFamily(
+    yield _event_counts(
         "kvprefetchd_metrics_scrapes",
         "Requests to the metrics endpoint by result (served, not_found, bad).",
-        labels=["result"],
+        "result", _SCRAPE_RESULTS, events, "metrics_",
     )
-    for result in _SCRAPE_RESULTS:
-        scrapes.add_metric([result], events.get(f"metrics_{result}", 0))
-    yield scrapes
     yield _single(
         "kvprefetchd_metrics_cached_scrapes",
         "Scrapes answered with the page rendered less than metrics_cache_seconds before.",
         "counter", events.get("metrics_cached", 0),
     )
-    closed = CounterMetricFamily(
+    yield _event_counts(
         "kvprefetchd_metrics_connections_closed",
         "Metrics connections closed unserved: expired (no whole request within "
         "metrics_header_timeout, or not done in 2 s), evicted (for a newcomer when every "
         "slot was taken), refused (no slot), refused_address "
         "(metrics_max_clients_per_address), refused_address_rate "
         "(metrics_rate_per_address), refused_rate (metrics_rate).",
-        labels=["reason"],
+        "reason", _CLOSE_REASONS, events, "metrics_",
     )
-    for reason in _CLOSE_REASONS:
-        closed.add_metric([reason], events.get(f"metrics_{reason}", 0))
-    yield closed
     yield _single(
         "kvprefetchd_metrics_accept_pauses",
         "Times the metrics listener paused for 25 ms, having accepted 2,000 connections a "
@@ -393,6 +387,16 @@ def _latency(latency: LatencyStats) -> Iterator[Metric]:
     )
     _add_histogram(files, [], latency["file_seconds"])
     yield files
+
+
+def _event_counts(name: str, doc: str, label: str, values: Iterable[str],
+                  events: Mapping[str, int], prefix: str) -> Metric:
+    """A counter with one series per label value: the event `prefix + value` (0 when
+    it never happened, so every series exists from the start)."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value in values:
+        family.add_metric([value], events.get(prefix + value, 0))
+    return family
 
 
 def _single(name: str, doc: str, kind: str, value: float) -> Metric:
