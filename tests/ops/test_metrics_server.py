@@ -75,6 +75,12 @@ class Loop:
         self.selector.close()
 
 
+def limited_server(clock: Clock, **limits: float) -> MetricsServer:
+    """A server on a free loopback port with UNLIMITED but for `limits`, on `clock`."""
+    return MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
+                         clock=clock, limits=dataclasses.replace(UNLIMITED, **limits))
+
+
 def connect(server: MetricsServer, source: str | None = None) -> socket.socket:
     address = server.listener.getsockname()
     client = socket.socket(server.listener.family, socket.SOCK_STREAM)
@@ -318,9 +324,7 @@ def test_a_newcomer_evicts_the_oldest_reading_client_when_every_slot_is_taken(
 ) -> None:
     """40 partial requests once held all 32 slots and 0 of 50 scrapes were served
     (issue 23): now a newcomer takes the slot of the oldest client still reading."""
-    limits = dataclasses.replace(UNLIMITED, max_clients=2)
-    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
-                           clock=clock, limits=limits)
+    server = limited_server(clock, max_clients=2)
     loop = Loop(server)
     try:
         first, second = connect(server), connect(server)
@@ -338,9 +342,7 @@ def test_a_newcomer_evicts_the_oldest_reading_client_when_every_slot_is_taken(
 
 
 def test_an_answered_client_is_evicted_before_one_still_reading(clock: Clock) -> None:
-    limits = dataclasses.replace(UNLIMITED, max_clients=2)
-    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
-                           clock=clock, limits=limits)
+    server = limited_server(clock, max_clients=2)
     loop = Loop(server)
     try:
         reading = connect(server)
@@ -359,9 +361,7 @@ def test_an_answered_client_is_evicted_before_one_still_reading(clock: Clock) ->
 
 
 def test_an_address_holds_at_most_its_share_of_the_slots(clock: Clock) -> None:
-    limits = dataclasses.replace(UNLIMITED, max_clients_per_address=2)
-    server = MetricsServer(open_metrics_listener("127.0.0.1:0"), lambda _om: BODY,
-                           clock=clock, limits=limits)
+    server = limited_server(clock, max_clients_per_address=2)
     loop = Loop(server)
     try:
         held = [connect(server, "127.0.0.2") for _ in range(3)]
