@@ -54,6 +54,10 @@ struct kvp_item {
  * permits it (the owner of the file, or CAP_FOWNER); otherwise read anyway,
  * counted in kvp_noatime_fallbacks. */
 #define KVP_ITEM_NOATIME 1
+/* KVP_ITEM_HOLD (the queue engines): a file READ keeps the fd it was read through open
+ * and hands it to the reaper in kvp_done.fd, for file systems that keep a file's data
+ * only while someone has it open (s3fs: daemon/kvprefetchd/holds.py). */
+#define KVP_ITEM_HOLD 2
 
 /* Reads that asked for O_NOATIME and were refused it (EPERM), since the module loaded. */
 uint64_t kvp_noatime_fallbacks(void);
@@ -138,6 +142,8 @@ struct kvp_done {            /* one settled file, as reaped */
                                 threads are stuck: the protocol's `mount_unresponsive`) */
     uint64_t size;
     uint64_t done;
+    int32_t fd;              /* KVP_ITEM_HOLD: the fd kept open after a READ, the caller's
+                                to close; else -1 */
 };
 
 #define KVP_QUEUE_STATS_ROOTS 16
@@ -169,6 +175,14 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
 size_t kvp_queue_reap(struct kvp_queue *q, struct kvp_done *out, size_t max);
 void kvp_queue_tick(struct kvp_queue *q);
 void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out);
+
+/* inotify for held files (watch.c): a non-blocking inotify fd (-errno on failure); a
+ * one-shot IN_OPEN | IN_DELETE_SELF watch on the inode behind an open fd (the watch
+ * descriptor, or -errno); and its removal.  Events are read from the fd as the kernel
+ * writes them (struct inotify_event). */
+int kvp_watch_new(void);
+int kvp_watch_fd(int watch, int fd);
+int kvp_watch_drop(int watch, int wd);
 
 /* Residency of [off, off+len) of an open fd, for tests and for the supervisor-
  * free paths: pages resident via cachestat (Linux 6.5+), falling back to

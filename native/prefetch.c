@@ -10,6 +10,7 @@
  *   pool.c            the confirming threads of a batch
  *   open.c            per item: resolve beneath the root, classify, reopen
  *   residency.c       per item: already warm? (cachestat / mincore, tier rule)
+ *   watch.c           inotify on held files: who else opens them
  *   internal.h        what they share, and the engine skeleton (struct kvp_engine)
  * Per item: resolve rel beneath root_fd (openat2 RESOLVE_BENEATH, O_PATH),
  * fstat, refuse anything but a regular file, apply the residency rule, reopen

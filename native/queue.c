@@ -232,7 +232,10 @@ static void warm(struct kvp_queue *q, struct qitem *qi, int fd, uint64_t span)
     }
     it->done = off;
     settle(it, e ? KVP_OUT_FAILED : KVP_OUT_READ, e);
-    close(fd);
+    if (!e && (it->flags & KVP_ITEM_HOLD))
+        qi->held_fd = fd;  /* the reaper's now (serve() closes it if nobody will reap it) */
+    else
+        close(fd);
 }
 
 /* A root's lane resolves on the root's own mount (base); the other-mount lane
@@ -333,8 +336,11 @@ static void serve(struct kvp_queue *q, int lane)
         if (qi->it.outcome == KVP_OUT_READ && qi->it.done > 0)
             kvp_depth_sample(depth, finished - qi->started, *running - (lane ? 0 : *stalled) + 1,
                              pending_of(q, qi)->n > 0, finished);
-        if (qi->abandoned)
+        if (qi->abandoned) {
+            if (qi->held_fd >= 0)
+                close(qi->held_fd);
             free(qi);  /* settled ETIMEDOUT already; the reaper has its answer */
+        }
         else if (!lane && qi->it.outcome == KVP_OUT_FAILED && qi->it.err == EXDEV)
             lane_take(q, qi);  /* behind another mount: unlooked at (open.c) */
         else
@@ -475,6 +481,7 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
             break;
         }
         memset(qi, 0, sizeof *qi);
+        qi->held_fd = -1;
         memcpy(qi->rel, items[i].rel ? items[i].rel : "", len + 1);
         qi->it = items[i];
         qi->it.rel = qi->rel;
@@ -506,7 +513,8 @@ size_t kvp_queue_reap(struct kvp_queue *q, struct kvp_done *out, size_t max)
     while (n < max && q->done.head) {
         struct qitem *qi = q->done.head;
         unlink_item(&q->done, qi);
-        out[n++] = (struct kvp_done){ qi->tag, qi->it.outcome, qi->it.err, qi->it.size, qi->it.done };
+        out[n++] = (struct kvp_done){ qi->tag, qi->it.outcome, qi->it.err, qi->it.size, qi->it.done,
+                                      qi->held_fd };
         free(qi);
     }
     if (q->done.n > 0) {  /* more than max: keep the fd readable */
@@ -528,6 +536,7 @@ static void expire(struct kvp_queue *q, struct qitem *qi, int running)
         if (!(copy = malloc(sizeof *copy + 1)))
             return;  /* try again at the next tick */
         memset(copy, 0, sizeof *copy);
+        copy->held_fd = -1;
         copy->tag = qi->tag;
         qi->abandoned = 1;
     } else {

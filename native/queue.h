@@ -52,6 +52,7 @@ struct qitem {
     uint8_t stalled;         /* counted in its lane's stalled reads */
     uint8_t abandoned;       /* settled by timeout; its thread frees it */
     uint8_t other_mount;     /* behind another mount beneath its root: the other-mount lane's */
+    int held_fd;             /* KVP_ITEM_HOLD: the fd a READ kept open for the reaper, else -1 */
     struct qitem *next, *prev;
     char rel[];
 };

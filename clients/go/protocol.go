@@ -32,6 +32,7 @@ const (
 	opEvict          = "evict"
 	opResolve        = "resolve"
 	opStats          = "stats"
+	opDoctor         = "doctor"
 )
 
 // Error codes of `ok: false` replies (docs/protocol.md, "Errors"). ServerError.Code holds
@@ -55,6 +56,7 @@ const (
 	OutcomeRejected = "rejected"
 	OutcomeFailed   = "failed"
 	OutcomeExpired  = "expired"
+	OutcomeFutile   = "futile" // read, but the root's file system drops it at the next open
 )
 
 // Frames are pooled: a router sends one per request, and a 1,000-path prefetch is about

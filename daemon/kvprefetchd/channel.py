@@ -75,12 +75,30 @@ INSPECT_MODES = (CHECK, EVICT_HEAD, EVICT_FILE)
 class Root:
     """A root that opened, was reopened or was let go after the worker was forked: `fd`
     is the one passed with the message (SCM_RIGHTS), -1 when none is (let go); on the
-    wire 0 says one travels beside, -1 none. `rule` its KVP_RES_* code."""
+    wire 0 says one travels beside, -1 none. `rule` its KVP_RES_* code; `keep` and
+    `whole` its tier profile's (RootTier)."""
 
     KIND: ClassVar[str] = "root"
     index: int
     rule: int
+    keep: str = "pagecache"
+    whole: bool = False
+    fs_cache: str = ""
+    hold: bool = False
     fd: int = -1
+
+
+@dataclass(frozen=True)
+class RootTier:
+    """What a worker needs of a root's tier profile (tiers.py): how a warm-up survives
+    to the consumer (`keep`: pagecache, hold, fs_cache or probe) and whether it reads
+    whole files; `fs_cache`: where the file system keeps its disk copy of the root's files
+    (a glob; "" none known: fscache.py)."""
+
+    keep: str = "pagecache"
+    whole: bool = False
+    fs_cache: str = ""
+    hold: bool = False  # warmed files are held open for their consumer (holds.py)
 
 
 @dataclass(slots=True)
@@ -116,6 +134,9 @@ class Done:
     # The queue engines' state now (not deltas), at most twice a second: threads, reads
     # running and stalled, files timed out, and per root index [depth, service time us].
     queue: dict[str, Any] = field(default_factory=dict)
+    # [root index, "kept" or "dropped"]: what a reopen found of a root whose profile
+    # could not say whether a warm-up survives to the consumer (worker.Verdicts).
+    verdicts: list[list[Any]] = field(default_factory=list)
 
 
 Message = Warm | Root | Ready | BootFailed | Done

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetchd.kv import KVError, Profile
+from kvprefetchd.tiers import WARM_EXTENTS
 
 ENGINES = ("auto", "io_uring", "fadvise", "pread")
 WARM_MODES = ("read", "advise")
@@ -63,6 +64,17 @@ class Config:
     roots: tuple[str, ...] = (DEFAULT_ROOT,)
     residency: str = "auto"
     residency_by_root: Mapping[str, str] = field(default_factory=dict)
+    # How much of a file a warm-up reads: "head" (read_bytes), "whole", or "auto" (the
+    # root's tier profile: whole on FUSE object stores, head elsewhere; tiers.py).
+    warm_extent: str = "auto"
+    warm_extent_by_root: Mapping[str, str] = field(default_factory=dict)
+    # Hold-open warming (holds.py), on roots whose file system keeps a file's data only
+    # while it is open (s3fs without kernel_cache): a warmed file stays open until
+    # another process opens it, or hold_seconds pass, at most hold_max_files files and
+    # hold_max_bytes of them per daemon (the oldest let go first).
+    hold_seconds: float = 120.0
+    hold_max_files: int = 4096
+    hold_max_bytes: int = 64 * 1024 * MIB
     workers: int = 0  # 0: one per CPU
     engine: str = "auto"
     warm_mode: str = "read"
@@ -178,12 +190,17 @@ class Config:
     def residency_for(self, root: str) -> str:
         return self.residency_by_root.get(root, self.residency)
 
+    def warm_extent_for(self, root: str) -> str:
+        return self.warm_extent_by_root.get(root, self.warm_extent)
+
 
 _INT_KEYS = {
     "socket_mode": (0, 0o777),
     "workers": (0, 256),
     "read_bytes": (1, 1 << 40),
     "max_read_bytes": (1, 1 << 40),
+    "hold_max_files": (0, 1 << 20),
+    "hold_max_bytes": (0, 1 << 50),
     "chunk_bytes": (4 * KIB, 64 * MIB),
     "queue_depth": (1, 4096),
     "pread_threads": (1, 256),
@@ -238,6 +255,7 @@ _SECONDS_KEYS = {
 }
 # Seconds without an "off": (the key, the least, the most).
 _BOUNDED_SECONDS_KEYS = {
+    "hold_seconds": (0.1, 86400.0),
     "metrics_header_timeout": (0.05, 10.0),
     "metrics_cache_seconds": (0.0, 60.0),  # 0: every scrape renders
 }
@@ -245,9 +263,15 @@ _CHOICE_KEYS = {
     "engine": ENGINES,
     "warm_mode": WARM_MODES,
     "residency": RESIDENCY_RULES,
+    "warm_extent": WARM_EXTENTS,
     "log_level": LOG_LEVELS,
 }
 _FIELDS = {f.name for f in dataclasses.fields(Config)}
+# Per-root tables overriding a key: (the values allowed, what a value is).
+_BY_ROOT_KEYS = {
+    "residency_by_root": (RESIDENCY_RULES, "rule"),
+    "warm_extent_by_root": (WARM_EXTENTS, "extent"),
+}
 
 
 def _check(key: str, value: Any) -> Any:
@@ -284,13 +308,14 @@ def _check(key: str, value: Any) -> Any:
         ):
             raise ConfigError(f"{key}: expected a list of numeric ids")
         return tuple(value)
-    if key == "residency_by_root":
+    if key in _BY_ROOT_KEYS:
+        choices, what = _BY_ROOT_KEYS[key]
         if not isinstance(value, Mapping):
-            raise ConfigError("residency_by_root: expected a table of root = rule")
+            raise ConfigError(f"{key}: expected a table of root = {what}")
         rules = {}
         for root, rule in value.items():
-            if rule not in RESIDENCY_RULES:
-                raise ConfigError(f"residency_by_root.{root}: {rule!r} is not a residency rule")
+            if rule not in choices:
+                raise ConfigError(f"{key}.{root}: {rule!r} is not one of {', '.join(choices)}")
             rules[os.path.normpath(root)] = rule
         return rules
     if key in ("listen_tcp", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
@@ -373,9 +398,10 @@ def build_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any]) -
         )
     check_profiles(config, "")
     check_tcp(config)
-    unknown_roots = set(config.residency_by_root) - set(config.roots)
-    if unknown_roots:
-        raise ConfigError(f"residency_by_root: {sorted(unknown_roots)} not in roots")
+    for key in _BY_ROOT_KEYS:
+        unknown_roots = set(getattr(config, key)) - set(config.roots)
+        if unknown_roots:
+            raise ConfigError(f"{key}: {sorted(unknown_roots)} not in roots")
     return config
 
 
@@ -432,6 +458,7 @@ def check_profiles(config: Config, note: str) -> None:
 # and says so; a restart applies them.
 RESTART_KEYS = frozenset({
     "socket", "socket_mode", "roots", "residency", "residency_by_root", "workers", "engine",
+    "warm_extent", "warm_extent_by_root", "hold_seconds", "hold_max_files", "hold_max_bytes",
     "warm_mode", "chunk_bytes", "queue_depth", "pread_threads", "fadv_random", "batch_files",
     "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "root_path_checks",
     "other_mount_threads",

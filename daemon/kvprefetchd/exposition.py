@@ -106,13 +106,22 @@ def _identity(stats: Stats) -> Iterator[Metric]:
         "over or unmounted, remounted) or back after missing.",
         labels=["root"],
     )
+    futile = GaugeMetricFamily(
+        "kvprefetchd_root_futile",
+        "1 when a warmed file of the root was found cold on reopening: its file system drops "
+        "what a warm-up leaves at the next open, so its files settle futile (docs/tiers.md).",
+        labels=["root"],
+    )
     for root in stats["roots"]:
-        roots.add_metric([], {"root": root["root"], "fstype": root["fstype"], "rule": root["rule"]})
+        roots.add_metric([], {"root": root["root"], "fstype": root["fstype"], "rule": root["rule"],
+                              "extent": root["extent"], "keep": root["keep"]})
         status.add_metric([root["root"]], {name: name == root["status"] for name in ROOT_STATUSES})
         reopened.add_metric([root["root"]], root["reopened"])
+        futile.add_metric([root["root"]], float(root["futile"]))
     yield roots
     yield status
     yield reopened
+    yield futile
     # The supervisor's own figures are the standard process_* metrics (render()).
 
 
@@ -207,7 +216,8 @@ def _files(files: FileCounts, stats: Stats) -> Iterator[Metric]:
     by_outcome = {
         "read": files["read"], "resident": files["resident"], "missing": files["missing"],
         "rejected": files["rejected"] + files["rejected_by_supervisor"],
-        "failed": files["failed"], "dropped": files["dropped"],
+        "failed": files["failed"], "dropped": files["dropped"], "expired": files["expired"],
+        "futile": files["futile"],
     }
     for outcome, value in by_outcome.items():
         outcomes.add_metric([outcome], value)
@@ -277,7 +287,21 @@ def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
         "(mount_unresponsive): every thread of that lane was stuck.",
         labels=["worker"],
     )
+    held = GaugeMetricFamily(
+        "kvprefetchd_held_files",
+        "Files a worker holds open for their consumer now (hold-open warming, docs/tiers.md).",
+        labels=["worker"],
+    )
+    released = CounterMetricFamily(
+        "kvprefetchd_hold_released",
+        "Held files let go, by why: opened (by their consumer), expired (hold_seconds), "
+        "budget (hold_max_files or hold_max_bytes), deleted, replaced, evicted, closed.",
+        labels=["worker", "why"],
+    )
     for label, worker in zip(labels, workers, strict=True):
+        held.add_metric([label], worker["queue"].get("held_files", 0))
+        for why, count in worker["hold_released"].items():
+            released.add_metric([label, why], count)
         depth.add_metric([label], worker["queue_depth"])
         stuck.add_metric([label], worker["queue"].get("other_mount_stuck", 0))
         refused.add_metric([label], worker["queue"].get("other_mount_refused", 0))
@@ -289,6 +313,8 @@ def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
         dedup.add_metric([label, "recent"], worker["dedup_recent"])
         dedup.add_metric([label, "in_flight"], worker["dedup_in_flight"])
     yield depth
+    yield held
+    yield released
     if workers:
         yield GaugeMetricFamily(
             "kvprefetchd_queue_limit",

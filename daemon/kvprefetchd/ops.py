@@ -72,7 +72,7 @@ def request_limits(config: Config) -> Limits:
 class Ops:
     def __init__(
         self, config: Config, books: Books, pool: WorkerPool, kv: KVService,
-        stats: Callable[[], Stats],
+        stats: Callable[[], Stats], doctor: Callable[[], dict[str, Any]],
     ) -> None:
         self.config = config
         self.limits = request_limits(config)
@@ -82,6 +82,7 @@ class Ops:
         self.pool = pool
         self.kv = kv
         self.stats = stats
+        self.doctor = doctor
         self.draining = False
         self.requests: Counter[str] = Counter()  # "op:ok", "op:error_CODE"
         self.ack_latency = Histograms(ACK_BUCKETS)
@@ -95,6 +96,7 @@ class Ops:
         self.handlers: dict[str, Handler] = {
             "ping": self.ping,
             "stats": self.stats_op,
+            "doctor": self.doctor_op,
             "prefetch": self.prefetch,
             "prefetch_blocks": self.prefetch_blocks,
             "resolve": self.resolve,
@@ -170,6 +172,9 @@ class Ops:
 
     def stats_op(self, connection: ReplySink, request: Request) -> None:
         connection.send(ok_reply(request.request_id, stats=self.stats()))
+
+    def doctor_op(self, connection: ReplySink, request: Request) -> None:
+        connection.send(ok_reply(request.request_id, **self.doctor()))
 
     def prefetch(self, connection: ReplySink, request: Request) -> None:
         options = self.warm_options(request)

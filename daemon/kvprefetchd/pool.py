@@ -41,6 +41,7 @@ from kvprefetchd.config import Config
 from kvprefetchd.engines import EngineSpec, NoEngine, engine_candidates
 from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
+from kvprefetchd.holds import HoldBudget
 from kvprefetchd.rootset import RootSet, RootState
 from kvprefetchd.stuck import Stuck
 from kvprefetchd.worker import WorkerPlan
@@ -163,6 +164,12 @@ class WorkerPool:
             roots=config.roots,
             root_fds=self.roots.fds(),
             rules=self.roots.codes(),
+            tiers=self.roots.tiers(),
+            holds=HoldBudget(
+                max_files=-(-config.hold_max_files // config.worker_count),
+                max_bytes=config.hold_max_bytes // config.worker_count,
+                seconds=config.hold_seconds,
+            ),
             engines=self.engines,
             engine_settings=EngineSettings(
                 chunk_bytes=config.chunk_bytes,
@@ -298,7 +305,9 @@ class WorkerPool:
                 self.roots_owed.add(state.index)
                 self.roots_due = time.monotonic() + RESPAWN_RETRY
                 continue
-            handle.with_fds.append((encode(Root(state.index, state.code, copy)), copy))
+            handle.with_fds.append((encode(Root(state.index, state.code, state.tier.keep,
+                                                   state.tier.whole, state.tier.fs_cache,
+                                                   state.tier.hold, copy)), copy))
             self.flush(handle)
 
     def flush(self, handle: WorkerHandle) -> None:
@@ -360,6 +369,8 @@ class WorkerPool:
                     self.count_events(message.counters)
                 if message.queue:
                     handle.queue = message.queue
+                for index, verdict in message.verdicts:
+                    self.roots.verdict(index, verdict)
                 self.books.settle_anonymous(handle.index, message.anonymous,
                                             message.anonymous_bytes)
                 self.file_latency.merge(message.latency_counts, message.latency_sum)

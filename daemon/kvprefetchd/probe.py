@@ -52,6 +52,10 @@ class Prober:
         root.local = int(fd >= 0 and lib.kvp_probe_root_local(fd) == 1)
         self._probed[index] = bool(root.local and rule != lib.KVP_RES_OFF)
 
+    def local(self, index: int) -> bool:
+        """Whether root `index` is on a local file system (not network, not FUSE)."""
+        return bool(self._roots[index].local)
+
     @property
     def useful(self) -> bool:
         """Whether any root may be probed at all (else every file goes to the engines)."""

@@ -29,14 +29,15 @@ ERROR_CODES = (
     BAD_REQUEST, UNSUPPORTED_VERSION, UNKNOWN_OP, TOO_LARGE, FORBIDDEN, OVERLOADED, INTERNAL
 )
 
-OPS = ("ping", "prefetch", "prefetch_blocks", "check", "evict", "resolve", "stats")
+OPS = ("ping", "prefetch", "prefetch_blocks", "check", "evict", "resolve", "stats", "doctor")
 
 # The outcomes of accepted files, in the order the books and the `outcomes` map list them
 # (docs/protocol.md, "Per-file outcomes"; tests/unit/test_protocol_conformance.py holds the
 # daemon, both clients and that table to the same names).
-OUTCOMES = ("read", "resident", "missing", "rejected", "failed", "expired")
+OUTCOMES = ("read", "resident", "missing", "rejected", "failed", "expired", "futile")
 # The states of a check's or evict's files (docs/protocol.md, "Check states").
-CHECK_STATES = ("resident", "cold", "missing", "rejected", "failed", "dropped", "expired")
+CHECK_STATES = ("resident", "cold", "missing", "rejected", "failed", "dropped", "expired",
+                "futile")
 
 
 class RequestError(Exception):

@@ -21,6 +21,9 @@ OTHER_MOUNT = "other_mount"
 # Warm-ups: a name behind another mount beneath its root, refused unread because every
 # thread of the queue's lane for such names is stuck on a read (native/queue.c).
 MOUNT_UNRESPONSIVE = "mount_unresponsive"
+# Outcome `futile`: read, but its root's file system drops what a warm-up leaves at the
+# next open (no keep_cache, no cache of its own, not held open: docs/tiers.md).
+NOT_KEPT = "not_kept"
 
 # Worker outcome `rejected`: the errno native/open.c settles it with -> reason.
 _REJECTED = {
@@ -56,6 +59,8 @@ def reason_of(outcome: str, err: int) -> str:
     """The reason for a file a worker settled with `outcome` and errno `err`."""
     if outcome == "expired":
         return DEADLINE
+    if outcome == "futile":
+        return NOT_KEPT
     if outcome == "rejected" and err in _REJECTED:
         return _REJECTED[err]
     if outcome == "failed" and err == errno.EXDEV:

@@ -9,21 +9,31 @@ themselves run in C, native/residency.c):
 - pagecache: cachestat (mincore before 6.5) over exactly the head. On ext4,
   XFS or NFS every file has its blocks, so the tier rule would call
   everything resident and nothing would ever be warmed.
-`auto` picks by file system type, read from /proc/self/mountinfo.
+`auto` picks by file system type, read from /proc/self/mountinfo, through the type's
+tier profile (tiers.py), which also says how much of a file to warm and how a warm-up
+survives to the consumer; FUSE object stores get `off` there (every check would open the
+file, which costs round trips and, without keep_cache, drops the very pages it looks at).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvprefetchd.native import load_native
+from kvprefetchd.tiers import (
+    MountFacts,
+    TierProfile,
+    fs_cache_dir,
+    mount_facts,
+    profile_for,
+    warm_extent,
+)
 
 # File systems whose cold files are stubs without allocated blocks (mountinfo's type,
-# "fuse.SUBTYPE" for FUSE). fuse.tiersim is the project's slow-tier simulator
-# (bench/tiersim), whose st_blocks counts fetched chunks as an HSM stub does. FUSE
-# object stores (JuiceFS, gcsfuse, s3fs) are not listed: their st_blocks follows the
-# file's size, not what is local, so the tier rule would call every file resident.
+# "fuse.SUBTYPE" for FUSE): the profiles whose residency is `tier` (tiers.py). FUSE
+# object stores (JuiceFS, gcsfuse, s3fs) are not: their st_blocks follows the file's
+# size, not what is local, so the tier rule would call every file resident.
 TIERED_FILESYSTEMS = frozenset({"gpfs", "lustre", "fuse.tiersim"})
 
 
@@ -33,6 +43,24 @@ class RootRule:
     fstype: str
     rule: str
     why: str
+    profile: TierProfile = field(default_factory=lambda: profile_for("unknown"))
+    extent: str = "head"  # head or whole (tiers.warm_extent)
+    facts: MountFacts = field(default_factory=MountFacts)
+    mount_point: str = ""
+    fs_cache: str = ""  # the file system's disk copy of the root, a glob (tiers.fs_cache_dir)
+
+    @property
+    def keep(self) -> str:
+        """How a warm-up survives to the consumer (tiers.KEEPS)."""
+        return self.profile.keep
+
+    @property
+    def hold(self) -> bool:
+        return self.profile.hold
+
+    @property
+    def whole(self) -> bool:
+        return self.extent == "whole"
 
     @property
     def code(self) -> int:
@@ -66,7 +94,12 @@ def filesystem_type(path: str, mountinfo: str | None = None) -> str:
 
 
 def filesystem_type_of(device: int, path: str, mountinfo: str | None = None) -> str:
-    """The type of the file system of `device`, which holds `path`.
+    """The type of the file system of `device`, which holds `path`."""
+    return mount_of(device, path, mountinfo)[0]
+
+
+def mount_of(device: int, path: str, mountinfo: str | None = None) -> tuple[str, str]:
+    """(type, mount point) of the file system of `device`, which holds `path`.
 
     Matched by device number first (exact, and right under bind mounts), then by
     the longest mount point that prefixes the path.
@@ -76,7 +109,7 @@ def filesystem_type_of(device: int, path: str, mountinfo: str | None = None) -> 
             with open("/proc/self/mountinfo") as handle:
                 mountinfo = handle.read()
         except OSError:
-            return "unknown"
+            return "unknown", ""
     mounts = parse_mountinfo(mountinfo)
     real = path
     wanted = f"{os.major(device)}:{os.minor(device)}"
@@ -89,22 +122,38 @@ def filesystem_type_of(device: int, path: str, mountinfo: str | None = None) -> 
         if inside and len(mount_point) >= len(best):
             best, fstype = mount_point, kind
     if fstype == "unknown" and by_device:
-        fstype = by_device[-1][2]
-    return fstype
+        best, fstype = by_device[-1][1], by_device[-1][2]
+    return fstype, best
 
 
 def choose_rule(root: str, configured: str, mountinfo: str | None = None) -> RootRule:
     return rule_of(root, filesystem_type(root, mountinfo), configured)
 
 
-def rule_for_fd(fd: int, root: str, configured: str) -> RootRule:
-    """The rule of a root opened as fd (its device tells the file system, no path walk)."""
-    return rule_of(root, filesystem_type_of(os.fstat(fd).st_dev, root), configured)
+def rule_for_fd(fd: int, root: str, configured: str, extent: str = "auto") -> RootRule:
+    """The rule of a root opened as fd (its device tells the file system, no path walk),
+    with its tier profile refined by the mount's facts (a FUSE server's options)."""
+    device = os.fstat(fd).st_dev
+    fstype, mount_point = mount_of(device, root)
+    facts = mount_facts(mount_point, device, fstype) if mount_point else MountFacts()
+    return rule_of(root, fstype, configured, extent, facts, mount_point,
+                   fs_cache_dir(fstype, facts, root, mount_point))
 
 
-def rule_of(root: str, fstype: str, configured: str) -> RootRule:
+def rule_of(root: str, fstype: str, configured: str, extent: str = "auto",
+            facts: MountFacts | None = None, mount_point: str = "",
+            fs_cache: str = "") -> RootRule:
+    profile = profile_for(fstype, facts)
+
+    def rule(name: str, why: str) -> RootRule:
+        return RootRule(root, fstype, name, why, profile, warm_extent(profile, extent),
+                        facts or MountFacts(), mount_point, fs_cache)
+
     if configured != "auto":
-        return RootRule(root, fstype, configured, "configured")
-    if fstype in TIERED_FILESYSTEMS:
-        return RootRule(root, fstype, "tier", f"{fstype} keeps cold files as block-less stubs")
-    return RootRule(root, fstype, "pagecache", f"{fstype} files are warm when in the page cache")
+        return rule(configured, "configured")
+    if profile.residency == "tier":
+        return rule("tier", f"{fstype} keeps cold files as block-less stubs")
+    if profile.residency == "off":
+        return rule("off", f"{fstype}: a residency check would open the file (round trips; "
+                    "a FUSE file system may drop cached pages at open)")
+    return rule("pagecache", f"{fstype} files are warm when in the page cache")

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvprefetch.stats import RootStats
+from kvprefetchd.channel import RootTier
 from kvprefetchd.config import Config
 from kvprefetchd.native import load_native
 from kvprefetchd.residency import RootRule
@@ -70,6 +71,7 @@ class RootState:
     index: int
     path: str
     residency: str  # as configured: auto, tier, pagecache, off
+    extent: str = "auto"  # warm_extent as configured: auto, head, whole
     fd: int = -1
     rule: RootRule | None = None  # known once open
     status: str = "opening"  # one of kvprefetch.stats.ROOT_STATUSES
@@ -80,6 +82,19 @@ class RootState:
     opened: int = 0  # times a directory was opened for it: the first, then each reopen
     vanished: bool = False  # its path led nowhere once while a directory is held
     unchecked: str = ""  # why the last look could not be made (out of fds), once logged
+    # What the workers' reopens found (worker.Verdicts): "kept", "dropped", "" not yet.
+    # "dropped" on a root whose profile neither holds nor caches: warming it is futile.
+    verdict: str = ""
+
+    @property
+    def tier(self) -> RootTier:
+        if self.rule is None:
+            return RootTier()
+        return RootTier(self.rule.keep, self.rule.whole, self.rule.fs_cache, self.rule.hold)
+
+    @property
+    def futile(self) -> bool:
+        return self.verdict == "dropped"
 
     @property
     def code(self) -> int:
@@ -144,7 +159,8 @@ class RootSet:
         self.scout = scout
         self.on_change = on_change
         self.checks = config.root_path_checks
-        self.states = [RootState(index, root, config.residency_for(root))
+        self.states = [RootState(index, root, config.residency_for(root),
+                                 config.warm_extent_for(root))
                        for index, root in enumerate(config.roots)]
         self.mounts: MountWatch | None = None
         self.mount_changes = 0
@@ -167,7 +183,7 @@ class RootSet:
         if state.asked:
             return
         state.asked, state.asked_at = True, time.monotonic()
-        task = OpenRoot(state.path, state.residency, self.checks)
+        task = OpenRoot(state.path, state.residency, self.checks, state.extent)
         held = (state.fd,) if state.fd >= 0 else ()
         self.scout.ask(task, functools.partial(self.answered, state), lane=state.lane,
                        fds=held)
@@ -317,6 +333,26 @@ class RootSet:
     def codes(self) -> tuple[int, ...]:
         return tuple(state.code for state in self.states)
 
+    def tiers(self) -> tuple[RootTier, ...]:
+        return tuple(state.tier for state in self.states)
+
+    def verdict(self, index: int, verdict: str) -> None:
+        """A worker reopened a warmed file of root `index` and found it `verdict`."""
+        if not 0 <= index < len(self.states):
+            return
+        state = self.states[index]
+        if state.verdict == verdict:
+            return
+        state.verdict = verdict
+        if verdict == "dropped":
+            log.warning("root %s (%s): a warmed file is cold again when reopened: the file "
+                        "system drops its cache at open, so warming it is futile (files "
+                        "settle `futile`). %s", state.path, state.rule.fstype if state.rule
+                        else "unknown", (state.rule.profile.fix if state.rule else "")
+                        or "kvprefetch doctor explains the root")
+        else:
+            log.info("root %s: a warmed file is still warm when reopened", state.path)
+
     def rules(self) -> list[RootRule]:
         return [state.rule for state in self.states if state.rule is not None]
 
@@ -328,6 +364,9 @@ class RootSet:
             "why": state.message if state.message or not state.rule else state.rule.why,
             "status": state.status,
             "reopened": state.reopened,
+            "extent": state.rule.extent if state.rule else "unknown",
+            "keep": state.rule.keep if state.rule else "unknown",
+            "futile": state.futile,
         } for state in self.states]
 
     def close(self) -> None:

@@ -69,6 +69,7 @@ class OpenRoot:
     path: str
     residency: str  # configured: auto, tier, pagecache or off
     checks: bool = True
+    extent: str = "auto"  # warm_extent configured: auto, head or whole
 
     def run(self, fds: Sequence[int] = ()) -> Any:
         held = fds[0] if fds else -1
@@ -85,7 +86,7 @@ class OpenRoot:
             if held >= 0 and not replaced:
                 os.close(fd)
                 return Unchanged()
-            return Passed(rule_for_fd(fd, self.path, self.residency), fd, replaced)
+            return Passed(rule_for_fd(fd, self.path, self.residency, self.extent), fd, replaced)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)

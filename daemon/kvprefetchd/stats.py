@@ -24,6 +24,7 @@ from kvprefetch.stats import (
 )
 from kvprefetchd.books import Books
 from kvprefetchd.connection import FREE_INPUT_BYTES
+from kvprefetchd.holds import RELEASES
 from kvprefetchd.kvservice import KVService
 from kvprefetchd.ops import Ops
 from kvprefetchd.peers import PRIVILEGED_RESERVE
@@ -115,6 +116,7 @@ def file_counts(books: Books) -> FileCounts:
         "rejected": totals["rejected"],
         "failed": totals["failed"],
         "expired": totals["expired"],
+        "futile": totals["futile"],
         "expired_replies": totals["expired_replies"],
         "in_flight": books.in_flight(),
     }
@@ -139,6 +141,9 @@ def worker_stats(handle: WorkerHandle, pool: WorkerPool) -> WorkerStats:
         "dedup_in_flight": handle.counters["dedup_in_flight"],
         "probed_resident": handle.counters["probed_resident"],
         "probed_missing": handle.counters["probed_missing"],
+        "held_total": handle.counters["held_total"],
+        "hold_released": {why: handle.counters[f"hold_released_{why}"] for why in RELEASES},
+        "hold_refused": handle.counters["hold_refused"],
         "queue": cast(QueueStats, handle.queue),
     }
     return figures

@@ -29,6 +29,7 @@ from kvprefetch.stats import Stats
 from kvprefetchd import exposition, systemd
 from kvprefetchd.books import Books
 from kvprefetchd.config import Config, ConfigError, merge_reload
+from kvprefetchd.doctor import diagnose
 from kvprefetchd.kvservice import KVService
 from kvprefetchd.logs import LogPump
 from kvprefetchd.logs import counters as log_counters
@@ -80,7 +81,7 @@ class Supervisor:
         self.books = Books(config.worker_count)
         self.kv = KVService.from_config(config, self.scout)
         self.pool = WorkerPool(config, self.roots, self.books, self.selector, self.stuck)
-        self.ops = Ops(config, self.books, self.pool, self.kv, self.stats)
+        self.ops = Ops(config, self.books, self.pool, self.kv, self.stats, self.diagnose)
         self.server = Server(config, self.selector, self.ops.handle_frame, self.events,
                              self.ops.requests)
         self.metrics: MetricsServer | None = None
@@ -165,6 +166,9 @@ class Supervisor:
             if remaining <= 0:
                 raise HaltError(f"workers did not boot within {BOOT_TIMEOUT:.0f} s")
             self.run_once(min(remaining, 0.5))
+
+    def diagnose(self) -> dict[str, Any]:
+        return diagnose(self.pool.roots.states, self.config, self.pool.engine_name)
 
     def stats(self) -> Stats:
         return build_stats(

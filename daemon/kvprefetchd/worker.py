@@ -17,7 +17,7 @@ import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvprefetchd.books import TICKET_INDEX_BITS, TICKET_INDEX_MASK, ticket_of
@@ -28,18 +28,24 @@ from kvprefetchd.channel import (
     ChannelReader,
     Done,
     Root,
+    RootTier,
     Warm,
     send_all_blocking,
 )
 from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
 from kvprefetchd.engines import EngineSpec, WarmEngines
-from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem, native_batch
+from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem
 from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.faults import BatchFaults
+from kvprefetchd.fscache import FsCacheView, warm_enough
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
+from kvprefetchd.holds import HoldBudget, Holds
 from kvprefetchd.native import load_native
 from kvprefetchd.probe import Prober
+from kvprefetchd.reopen import Verdicts
+from kvprefetchd.tiers import WHOLE_FILE
 from kvprefetchd.worker_files import Files, Tally, roots_of
+from kvprefetchd.worker_inspect import Inspector
 
 log = logging.getLogger("kvprefetchd.worker")
 
@@ -72,6 +78,8 @@ class WorkerPlan:
     dedup_entries: int
     dedup_bytes: int = 16 << 20
     nice: int = 0
+    tiers: tuple[RootTier, ...] = ()  # per root, beside rules (RootTier() when not open)
+    holds: HoldBudget = field(default_factory=HoldBudget)
 
     @property
     def warm_mode(self) -> str:
@@ -93,6 +101,7 @@ class Worker:
         self.watched: set[int] = set()  # engine fds in the poller
         self.root_fds = list(plan.root_fds)  # never a path: a root swapped later is not seen
         self.rules = list(plan.rules)
+        self.tiers = list(plan.tiers) or [RootTier()] * len(plan.rules)
         self.retired: dict[int, int] = {}  # root index -> fd let go, closed once idle
         self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
                                      budget_bytes=plan.dedup_bytes)
@@ -110,6 +119,14 @@ class Worker:
         }
         self.native = load_native()
         self.prober = Prober(self.native, self.root_fds, self.rules)
+        budget = plan.holds
+        self.holds = Holds(self.native, max_files=budget.max_files,
+                           max_bytes=budget.max_bytes, seconds=budget.seconds)
+        if self.holds.fileno() >= 0:
+            self.poller.register(self.holds.fileno(), select.POLLIN)
+        self.verdicts = Verdicts()
+        self.inspector = Inspector(self.native)
+        self.fscache = FsCacheView()
         self.noatime_fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
         self.reported = time.monotonic()
@@ -132,7 +149,11 @@ class Worker:
                 else:
                     log.warning("worker %d: unexpected %s", self.plan.index, type(message))
             if self.reader.closed:
+                self.holds.close()
                 return  # the supervisor is gone: nobody to report to
+            if len(self.holds):
+                self.holds.read_events()
+                self.holds.expire()
             for mode, pending in self.pending.items():
                 if pending:
                     self.hand_over(self.engine_for(mode), pending, mode)
@@ -167,6 +188,9 @@ class Worker:
             self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
                                          budget_bytes=plan.dedup_bytes)
         self.root_fds[index], self.rules[index] = fd, message.rule
+        self.tiers[index] = RootTier(message.keep, message.whole, message.fs_cache,
+                                     message.hold)
+        self.verdicts.forget(index)
         self.prober.set_root(index, fd, message.rule)
 
     def close_retired(self) -> None:
@@ -178,12 +202,14 @@ class Worker:
         self.retired.clear()
 
     def poll_timeout_ms(self) -> int | None:
-        """No wait while a batch engine has files to take; a tick while files are out."""
+        """No wait while a batch engine has files to take; a tick while files are out;
+        else until the oldest held file's time is up."""
         if any(self.pending.values()):
             return 0
         if any(engine.outstanding for engine in self.engines.built()):
             return int(TICK_SECONDS * 1000)
-        return None
+        due = self.holds.next_due()
+        return None if due is None else int(due * 1000) + 1
 
     def accept(self, message: Warm) -> None:
         if message.warm_mode in INSPECT_MODES:
@@ -193,7 +219,7 @@ class Worker:
         if files.count == 0:
             return
         received = time.monotonic()
-        if self.recent.enabled:
+        if self.recent.enabled or len(self.holds):
             files = self.recall(message, files)
             if files.count == 0:
                 return
@@ -207,12 +233,15 @@ class Worker:
         self.queue_up(message, files, received)
 
     def recall(self, message: Warm, files: Files) -> Files:
-        """Answer what the memory of recent reads covers; the files it does not."""
+        """Answer what the memory of recent reads covers, and the files held open; the
+        files neither does."""
         share, read_bytes = message.share, message.read_bytes
         names, root_of = files.all_names(), files.root_of
         left: list[int] = []
+        recent, holds = self.recent, self.holds
         for index in files.indexes:
-            if self.recent.covers((root_of[index], names[index]), read_bytes):
+            key = (root_of[index], names[index])
+            if key in holds or recent.covers(key, read_bytes):
                 self.counters["dedup_recent"] += 1
                 self.outcome(ticket_of(share, index) if share else 0, "resident", 0)
                 self.latency.observe(0.0)
@@ -258,60 +287,103 @@ class Worker:
         if queue is None:
             queue = self.pending[message.warm_mode] = deque()
         names, root_of = files.all_names(), files.root_of
+        hold = self.native.lib.KVP_ITEM_HOLD if self.holds.enabled else 0
         for index in files.indexes:
             ticket = ticket_of(share, index) if share else 0
             root_index, relative = root_of[index], names[index]
             key: Key = (root_index, relative)
-            if not self.in_flight.join(key, read_bytes, ticket):
+            tier = self.tiers[root_index]
+            depth = WHOLE_FILE if tier.whole else read_bytes
+            if not self.in_flight.join(key, depth, ticket):
                 self.counters["dedup_in_flight"] += 1
                 continue
             root_fd = self.root_fds[root_index]
             if root_fd < 0:  # not open yet (missing at start, or its tier not answering)
-                for waiting in self.in_flight.settle(key, read_bytes):
+                for waiting in self.in_flight.settle(key, depth):
                     self.outcome(waiting, "missing", 0, errno.ENOENT)
                 continue
-            queue.append(WarmItem(root_fd, self.rules[root_index], relative, read_bytes, key,
-                                  received, deadline, flags))
+            if tier.fs_cache and self.in_fs_cache(tier, relative, depth):
+                for waiting in self.in_flight.settle(key, depth):
+                    self.outcome(waiting, "resident", 0)
+                continue
+            if self.verdicts.dropped(root_index) and not self.verdicts.wants_look(root_index):
+                # Its file system drops a warm-up at the next open: no fetch is spent on it
+                # (one file is read again when the verdict is due to be looked at anew).
+                for waiting in self.in_flight.settle(key, depth):
+                    self.outcome(waiting, "futile", 0)
+                continue
+            queue.append(WarmItem(root_fd, self.rules[root_index], relative, depth, key,
+                                  received, deadline,
+                                  flags | hold if tier.hold else flags))
 
     def inspect(self, message: Warm) -> None:
         """check or evict: look at each file (kvp_inspect) and report its state and
-        figures. On this thread, between rounds: a lookup and a cachestat per file cost
-        microseconds. Only the root's own file system is asked: a file behind another mount
-        beneath the root (a FUSE mount in a subdirectory, which may hang) comes back failed
-        (EXDEV, `other_mount`) unlooked at; a root whose own file system hangs is what
-        worker_timeout is for."""
-        ffi, lib = self.native.ffi, self.native.lib
-        action = (lib.KVP_INSPECT_CHECK if message.warm_mode == CHECK
+        figures, on this thread between rounds (worker_inspect.py: in parallel on a
+        network or FUSE root). Only the root's own file system is asked: a file behind
+        another mount beneath the root (a FUSE mount in a subdirectory, which may hang)
+        comes back failed (EXDEV, `other_mount`) unlooked at; a root whose own file system
+        hangs is what worker_timeout is for. A check never opens a file where an open
+        would undo a warm-up: a held file is resident (holds.py), any other on a hold
+        root cold, and every file of a root found futile (reopen.py) futile."""
+        lib = self.native.lib
+        check = message.warm_mode == CHECK
+        action = (lib.KVP_INSPECT_CHECK if check
                   else lib.KVP_INSPECT_EVICT_FILE if message.warm_mode == EVICT_FILE
                   else lib.KVP_INSPECT_EVICT_HEAD)
-        states = self.native.check_states
         names, root_of = message.paths.split(b"\0"), roots_of(message)
         count = len(root_of)
-        self.counters["checked" if message.warm_mode == CHECK else "evicted"] += count
+        self.counters["checked" if check else "evicted"] += count
         for start in range(0, count, INSPECT_AT_ONCE):
             tickets: list[int] = []
             items: list[WarmItem] = []
+            remote = False
             for index in range(start, min(count, start + INSPECT_AT_ONCE)):
                 ticket = ticket_of(message.share, index)
                 root_index, relative = root_of[index], names[index]
-                if action != lib.KVP_INSPECT_CHECK:
-                    self.recent.forget((root_index, relative))
+                key = (root_index, relative)
+                tier = self.tiers[root_index]
+                if not check:
+                    self.recent.forget(key)
+                    self.holds.release(key, "evicted")
+                elif (known := self.known_state(key, tier, WHOLE_FILE if tier.whole
+                                                else message.read_bytes)) is not None:
+                    self.outcomes.append([ticket, *known])
+                    continue
                 root_fd = self.root_fds[root_index]
                 if root_fd < 0:  # not open yet: as a warm-up says of it
                     self.outcomes.append([ticket, "missing", 0, errno.ENOENT, 0, 0, 0])
                     continue
+                remote = remote or not self.prober.local(root_index)
                 tickets.append(ticket)
                 items.append(WarmItem(root_fd, self.rules[root_index], relative,
-                                      message.read_bytes))
-            if not items:
-                continue
-            native, keep = native_batch(ffi, items)
-            out = ffi.new("struct kvp_inspect_out[]", len(items))
-            lib.kvp_inspect(action, native, out, len(items))
-            del keep
-            for ticket, result in zip(tickets, out, strict=True):
-                self.outcomes.append([ticket, states[result.state], 0, int(result.err),
-                                      int(result.size), int(result.cached), int(result.tier)])
+                                      WHOLE_FILE if tier.whole else message.read_bytes))
+            if items:
+                for ticket, look in zip(tickets, self.inspector.look(action, items, remote),
+                                        strict=True):
+                    self.outcomes.append([ticket, look.state, 0, look.err, look.size,
+                                          look.cached, look.tier])
+
+    def in_fs_cache(self, tier: RootTier, relative: bytes, span: int) -> bool:
+        copy = self.fscache.cached(tier.fs_cache, relative)
+        return copy is not None and warm_enough(copy[0], copy[1], span)
+
+    def known_state(self, key: Key, tier: RootTier, span: int) -> list[Any] | None:
+        """What a check says of a file without opening it, where an open would undo a
+        warm-up: [state, bytes, errno, size, cached, tier bytes]; None: look."""
+        held = self.holds.held(key)
+        if held is not None:
+            return ["resident", 0, 0, held.size, held.size, 0]
+        if tier.fs_cache:
+            copy = self.fscache.cached(tier.fs_cache, key[1])
+            if copy is not None:
+                size, on_disk = copy
+                state = "resident" if warm_enough(size, on_disk, span) else "cold"
+                return [state, 0, 0, size, 0, on_disk]
+        if self.verdicts.dropped(key[0]):
+            return ["futile", 0, 0, 0, 0, 0]
+        if tier.keep == "hold":
+            return ["cold", 0, 0, 0, 0, 0]
+        return None
 
     def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
         """Give the engine what waits for it: all of it (a queue) or one batch."""
@@ -358,14 +430,17 @@ class Worker:
 
     def settle(self, completion: Completion) -> None:
         item = completion.item
-        if completion.outcome in ("read", "resident"):
+        outcome = completion.outcome
+        if outcome == "read":
+            outcome = self.judged(completion)
+        if outcome in ("read", "resident"):
             self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
         self.latency.observe(time.monotonic() - item.received)
         tickets = self.in_flight.settle(item.key, item.read_bytes)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
-            self.outcome(ticket, completion.outcome, bytes_read if position == 0 else 0,
+            self.outcome(ticket, outcome, bytes_read if position == 0 else 0,
                          completion.error)
         if completion.outcome == "failed":
             log.debug(
@@ -374,6 +449,38 @@ class Worker:
                 item.relative,
                 os.strerror(completion.error) if completion.error else "unknown",
             )
+
+    def judged(self, completion: Completion) -> str:
+        """A file read, judged where its consumer will read it: `read` when a fresh open
+        by another process would find it warm (its root keeps the page cache, its file
+        system's own cache has it, or it is held open for the consumer: holds.py), else
+        `futile`. A root whose profile cannot tell is asked by reopening (reopen.py)."""
+        item = completion.item
+        root_index = item.key[0]
+        keep = self.tiers[root_index].keep
+        if completion.held_fd >= 0:
+            return "read" if self.holds.hold(item.key, completion.held_fd, completion.size) \
+                else "futile"
+        if keep == "hold":  # not held: an engine that cannot hold, or no budget
+            return "futile"
+        if keep != "probe":
+            return "read"
+        if completion.done > 0 and self.verdicts.wants_look(root_index):
+            warm = self.still_warm(item, completion.done)
+            if warm is not None:
+                self.verdicts.looked(root_index, warm)
+        return "futile" if self.verdicts.dropped(root_index) else "read"
+
+    def still_warm(self, item: WarmItem, read: int) -> bool | None:
+        """Open the file anew, as its consumer will, and look at its pages: warm when at
+        least half of what was read is still there (the host's reclaimer takes a few
+        percent of fresh pages); None when the look failed."""
+        look, = self.inspector.look(
+            self.native.lib.KVP_INSPECT_CHECK,
+            [WarmItem(item.root_fd, item.rule, item.relative, item.read_bytes)], False)
+        if look.state not in ("resident", "cold"):
+            return None
+        return look.cached * 2 >= read
 
     def outcome(self, ticket: int, outcome: str, nbytes: int, error: int = 0) -> None:
         """Ticket 0 is a fire-and-forget file: reported as a count, not one by one. A
@@ -411,12 +518,14 @@ class Worker:
         """Report what was settled since the last report; with nothing settled, an empty
         report once a second while files are out, so the supervisor hears a live worker."""
         now = time.monotonic()
-        if not self.outcomes and not self.anonymous and not self.tallies:
+        if not self.outcomes and not self.anonymous and not self.tallies \
+                and not self.verdicts.changed:
             busy = any(engine.outstanding for engine in self.engines.built())
             if not busy or now - self.reported < HEARTBEAT_SECONDS:
                 return
         self.reported = now
         fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
+        self.counters.update(self.holds.report())
         self.counters["noatime_fallbacks"] += fallbacks - self.noatime_fallbacks
         self.noatime_fallbacks = fallbacks
         counters = {k: v for k, v in self.counters.items() if v}
@@ -425,6 +534,8 @@ class Worker:
         if now - self.queue_reported >= QUEUE_REPORT_SECONDS:
             self.queue_reported = now
             queue = self.queue_figures()
+            if self.holds.enabled:
+                queue["held_files"], queue["held_bytes"] = len(self.holds), self.holds.bytes
         send_all_blocking(self.sock, Done(
             settled=self.outcomes,
             bulk=[[share, outcome, tally.count, tally.nbytes, tally.indexes.tobytes()]
@@ -435,6 +546,7 @@ class Worker:
             latency_counts=self.latency.counts,
             latency_sum=self.latency.sum,
             queue=queue,
+            verdicts=self.verdicts.take_changed(),
         ))
         self.outcomes = []
         self.tallies = {}

@@ -182,7 +182,7 @@ def test_render_names_labels_and_values() -> None:
     ) == pytest.approx(0.0125)
     assert sample(
         f, "kvprefetchd_root_info:gauge", "kvprefetchd_root_info",
-        root="/mnt/kv", fstype="gpfs", rule="tier",
+        root="/mnt/kv", fstype="gpfs", rule="tier", extent="head", keep="pagecache",
     ) == 1
 
 
@@ -249,12 +249,14 @@ def test_labels_are_escaped() -> None:
     stats = realistic_stats()
     stats["roots"] = [
         {"root": '/mnt/"odd"\\path\n', "fstype": "nfs4", "rule": "pagecache", "why": "",
-         "status": "open", "reopened": 0}
+         "status": "open", "reopened": 0, "extent": "head", "keep": "pagecache",
+         "futile": False}
     ]
     f = parse(render(stats))
     assert sample(
         f, "kvprefetchd_root_info:gauge", "kvprefetchd_root_info",
-        root='/mnt/"odd"\\path\n', fstype="nfs4", rule="pagecache",
+        root='/mnt/"odd"\\path\n', fstype="nfs4", rule="pagecache", extent="head",
+        keep="pagecache",
     ) == 1
 
 

@@ -94,7 +94,7 @@ def test_every_failure_reason_the_daemon_gives_is_documented() -> None:
         "kv/a", "/etc/x", "/kv/../x", "/kv/a\0b", "/kv/" + "a" * 80, 7, "/kv/", b"/kv\0")}
     workers = {reasons.reason_of("rejected", e) for e in reasons._REJECTED}
     named = {reasons.DROPPED, reasons.DEADLINE, reasons.WORKER_LOST, reasons.OTHER_MOUNT,
-             reasons.MOUNT_UNRESPONSIVE}
+             reasons.MOUNT_UNRESPONSIVE, reasons.NOT_KEPT}
     assert supervisor | workers | named == documented
     assert reasons.reason_of("missing", 2) == "ENOENT"  # the errno-name row
     assert reasons.reason_of("failed", errno.EHOSTDOWN) == reasons.MOUNT_UNRESPONSIVE

@@ -127,6 +127,7 @@ class Outcome(StrEnum):
     REJECTED = "rejected"
     FAILED = "failed"
     EXPIRED = "expired"
+    FUTILE = "futile"  # read, but the root's file system drops it at the next open
 
 
 class ErrorCode(StrEnum):

@@ -49,6 +49,12 @@ class WorkerStats(ProcessFigures):
     dedup_in_flight: int  # files that joined a read already queued or running
     probed_resident: int  # files its fast path found resident (native/probe.c)
     probed_missing: int  # files its fast path found missing (a negative dentry)
+    # Hold-open warming since start: files taken, and let go by why: opened (by their
+    # consumer), expired (hold_seconds), budget (hold_max_files/bytes), deleted, replaced,
+    # evicted, closed; refused: larger than the whole byte budget.
+    held_total: int
+    hold_released: dict[str, int]
+    hold_refused: int
     queue: QueueStats  # the asynchronous queue's state, as last reported
 
 
@@ -64,11 +70,15 @@ class QueueStats(TypedDict, total=False):
     other_mount_threads: int  # its threads now
     other_mount_stuck: int  # of them, held by a read past its stall time
     other_mount_refused: int  # files failed `mount_unresponsive` since the worker started
+    # Hold-open warming (docs/tiers.md): files held open for their consumer now, and
+    # their bytes (st_size); only where holding is on.
+    held_files: int
+    held_bytes: int
 
 
 class FileCounts(TypedDict):
     """Files by fate, daemon-wide since start: accepted = read + resident + missing +
-    rejected + failed + expired + in_flight (expired: past its deadline, never read;
+    rejected + failed + expired + futile + in_flight (expired: past its deadline, never read;
     expired_replies counts answers a wait timeout cut short, not fates)."""
 
     accepted: int
@@ -80,6 +90,9 @@ class FileCounts(TypedDict):
     rejected: int
     failed: int
     expired: int
+    # read, but where the consumer cannot find it: the root's file system drops what a
+    # warm-up left at the next open (docs/tiers.md)
+    futile: int
     expired_replies: int
     in_flight: int
 
@@ -125,6 +138,10 @@ class RootStats(TypedDict):
     # earlier stays in force), unresponsive (its file system does not answer) or error
     status: str
     reopened: int  # times opened again: replaced (removed, mounted over), or back after missing
+    extent: str  # what a warm-up reads: head or whole ("unknown" until open; docs/tiers.md)
+    # how a warm-up survives to the consumer: pagecache, hold, fs_cache or probe
+    keep: str
+    futile: bool  # a warmed file was found cold when reopened: its files settle `futile`
 
 
 class StuckProcess(TypedDict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvprefetch.stats import HistogramSnapshot, Stats
 
-OUTCOME_ORDER = ("read", "resident", "missing", "rejected", "failed", "expired")
+OUTCOME_ORDER = ("read", "resident", "missing", "rejected", "failed", "expired", "futile")
 
 
 def quantile(histogram: HistogramSnapshot, q: float) -> str:

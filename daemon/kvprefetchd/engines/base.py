@@ -66,6 +66,7 @@ class Completion:
     error: int
     size: int
     done: int
+    held_fd: int = -1  # KVP_ITEM_HOLD: the fd the read kept open, now the worker's to close
 
 
 class Engine(Protocol):

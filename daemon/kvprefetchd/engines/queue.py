@@ -109,7 +109,7 @@ class QueueEngine(NativeEngine):
                 record = out[index]
                 item = items.pop(record.tag)
                 done.append(Completion(item, names[record.outcome], record.err, record.size,
-                                       record.done))
+                                       record.done, record.fd))
             if n < REAP_AT_ONCE:
                 return done
 
