@@ -125,6 +125,7 @@ class Worker:
         if self.holds.fileno() >= 0:
             self.poller.register(self.holds.fileno(), select.POLLIN)
         self.verdicts = Verdicts()
+        self.holding = (0, 0)  # held files and bytes as last reported
         self.inspector = Inspector(self.native)
         self.fscache = FsCacheView()
         self.noatime_fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
@@ -209,6 +210,8 @@ class Worker:
         if any(engine.outstanding for engine in self.engines.built()):
             return int(TICK_SECONDS * 1000)
         due = self.holds.next_due()
+        if self.holding_changed:  # the gauge is due within QUEUE_REPORT_SECONDS
+            due = min(due, QUEUE_REPORT_SECONDS) if due is not None else QUEUE_REPORT_SECONDS
         return None if due is None else int(due * 1000) + 1
 
     def accept(self, message: Warm) -> None:
@@ -469,6 +472,8 @@ class Worker:
             warm = self.still_warm(item, completion.done)
             if warm is not None:
                 self.verdicts.looked(root_index, warm)
+                if not warm:
+                    return "futile"  # this very file was found cold: never `read`
         return "futile" if self.verdicts.dropped(root_index) else "read"
 
     def still_warm(self, item: WarmItem, read: int) -> bool | None:
@@ -514,12 +519,19 @@ class Worker:
             tally = self.tallies[(share, outcome)] = Tally()
         return tally
 
+    @property
+    def holding_changed(self) -> bool:
+        """The held files' gauge is not what the supervisor last heard."""
+        return self.holds.enabled and self.holding != (len(self.holds), self.holds.bytes)
+
     def flush(self) -> None:
         """Report what was settled since the last report; with nothing settled, an empty
         report once a second while files are out, so the supervisor hears a live worker."""
         now = time.monotonic()
+        queue_due = now - self.queue_reported >= QUEUE_REPORT_SECONDS
+        holding_now = queue_due and self.holding_changed
         if not self.outcomes and not self.anonymous and not self.tallies \
-                and not self.verdicts.changed:
+                and not self.verdicts.changed and not holding_now:
             busy = any(engine.outstanding for engine in self.engines.built())
             if not busy or now - self.reported < HEARTBEAT_SECONDS:
                 return
@@ -531,11 +543,12 @@ class Worker:
         counters = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
         queue: dict[str, Any] = {}
-        if now - self.queue_reported >= QUEUE_REPORT_SECONDS:
+        if queue_due:
             self.queue_reported = now
             queue = self.queue_figures()
             if self.holds.enabled:
-                queue["held_files"], queue["held_bytes"] = len(self.holds), self.holds.bytes
+                queue["held_files"], queue["held_bytes"] = self.holding = \
+                    len(self.holds), self.holds.bytes
         send_all_blocking(self.sock, Done(
             settled=self.outcomes,
             bulk=[[share, outcome, tally.count, tally.nbytes, tally.indexes.tobytes()]
