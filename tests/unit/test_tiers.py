@@ -102,3 +102,16 @@ def test_the_fuse_server_is_the_process_whose_command_line_names_the_mount(
     assert (server, positional[0]) == ("s3fs", "kvcache")
     assert fuse_server("/mnt/rc/", str(proc))[0] == "rclone"
     assert fuse_server("/mnt/none", str(proc)) == ("", {}, ())
+
+
+def test_the_docs_table_says_what_each_profile_says() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "tiers.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells
+    for profile in (*PROFILES.values(), profile_for("fuse")):
+        cells = rows[profile.fstype]
+        assert cells[3:7] == [f"`{profile.extent}`", f"`{profile.residency}`",
+                              f"`{profile.keep}`", "yes" if profile.hold else "no"], cells
