@@ -37,12 +37,11 @@ from kvprefetchd.engines import EngineSpec, WarmEngines
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem
 from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.faults import BatchFaults
-from kvprefetchd.fscache import FsCacheView, warm_enough
 from kvprefetchd.histogram import FILE_BUCKETS, Histogram
-from kvprefetchd.holds import HoldBudget, Holds
+from kvprefetchd.holds import HoldBudget
+from kvprefetchd.keeping import Keeping
 from kvprefetchd.native import load_native
 from kvprefetchd.probe import Prober
-from kvprefetchd.reopen import Verdicts
 from kvprefetchd.tiers import WHOLE_FILE
 from kvprefetchd.worker_files import Files, Tally, roots_of
 from kvprefetchd.worker_inspect import Inspector
@@ -119,15 +118,11 @@ class Worker:
         }
         self.native = load_native()
         self.prober = Prober(self.native, self.root_fds, self.rules)
-        budget = plan.holds
-        self.holds = Holds(self.native, max_files=budget.max_files,
-                           max_bytes=budget.max_bytes, seconds=budget.seconds)
+        self.inspector = Inspector(self.native)
+        self.keeping = Keeping(self.native, plan.holds, self.inspector)
+        self.holds = self.keeping.holds
         if self.holds.fileno() >= 0:
             self.poller.register(self.holds.fileno(), select.POLLIN)
-        self.verdicts = Verdicts()
-        self.holding = (0, 0)  # held files and bytes as last reported
-        self.inspector = Inspector(self.native)
-        self.fscache = FsCacheView()
         self.noatime_fallbacks = int(self.native.lib.kvp_noatime_fallbacks())
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
         self.reported = time.monotonic()
@@ -191,7 +186,7 @@ class Worker:
         self.root_fds[index], self.rules[index] = fd, message.rule
         self.tiers[index] = RootTier(message.keep, message.whole, message.fs_cache,
                                      message.hold)
-        self.verdicts.forget(index)
+        self.keeping.verdicts.forget(index)
         self.prober.set_root(index, fd, message.rule)
 
     def close_retired(self) -> None:
@@ -210,7 +205,7 @@ class Worker:
         if any(engine.outstanding for engine in self.engines.built()):
             return int(TICK_SECONDS * 1000)
         due = self.holds.next_due()
-        if self.holding_changed:  # the gauge is due within QUEUE_REPORT_SECONDS
+        if self.keeping.holding_changed:  # the gauge is due within QUEUE_REPORT_SECONDS
             due = min(due, QUEUE_REPORT_SECONDS) if due is not None else QUEUE_REPORT_SECONDS
         return None if due is None else int(due * 1000) + 1
 
@@ -290,7 +285,7 @@ class Worker:
         if queue is None:
             queue = self.pending[message.warm_mode] = deque()
         names, root_of = files.all_names(), files.root_of
-        hold = self.native.lib.KVP_ITEM_HOLD if self.holds.enabled else 0
+        hold, keeping = self.keeping.hold_flag, self.keeping
         for index in files.indexes:
             ticket = ticket_of(share, index) if share else 0
             root_index, relative = root_of[index], names[index]
@@ -305,15 +300,10 @@ class Worker:
                 for waiting in self.in_flight.settle(key, depth):
                     self.outcome(waiting, "missing", 0, errno.ENOENT)
                 continue
-            if tier.fs_cache and self.in_fs_cache(tier, relative, depth):
+            skip = keeping.skip(root_index, tier, relative, depth)
+            if skip:  # held or in the file system's cache; or a futile root's
                 for waiting in self.in_flight.settle(key, depth):
-                    self.outcome(waiting, "resident", 0)
-                continue
-            if self.verdicts.dropped(root_index) and not self.verdicts.wants_look(root_index):
-                # Its file system drops a warm-up at the next open: no fetch is spent on it
-                # (one file is read again when the verdict is due to be looked at anew).
-                for waiting in self.in_flight.settle(key, depth):
-                    self.outcome(waiting, "futile", 0)
+                    self.outcome(waiting, skip, 0)
                 continue
             queue.append(WarmItem(root_fd, self.rules[root_index], relative, depth, key,
                                   received, deadline,
@@ -348,8 +338,9 @@ class Worker:
                 if not check:
                     self.recent.forget(key)
                     self.holds.release(key, "evicted")
-                elif (known := self.known_state(key, tier, WHOLE_FILE if tier.whole
-                                                else message.read_bytes)) is not None:
+                elif (known := self.keeping.known_state(
+                        key, root_index, relative, tier,
+                        WHOLE_FILE if tier.whole else message.read_bytes)) is not None:
                     self.outcomes.append([ticket, *known])
                     continue
                 root_fd = self.root_fds[root_index]
@@ -365,28 +356,6 @@ class Worker:
                                         strict=True):
                     self.outcomes.append([ticket, look.state, 0, look.err, look.size,
                                           look.cached, look.tier])
-
-    def in_fs_cache(self, tier: RootTier, relative: bytes, span: int) -> bool:
-        copy = self.fscache.cached(tier.fs_cache, relative)
-        return copy is not None and warm_enough(copy[0], copy[1], span)
-
-    def known_state(self, key: Key, tier: RootTier, span: int) -> list[Any] | None:
-        """What a check says of a file without opening it, where an open would undo a
-        warm-up: [state, bytes, errno, size, cached, tier bytes]; None: look."""
-        held = self.holds.held(key)
-        if held is not None:
-            return ["resident", 0, 0, held.size, held.size, 0]
-        if tier.fs_cache:
-            copy = self.fscache.cached(tier.fs_cache, key[1])
-            if copy is not None:
-                size, on_disk = copy
-                state = "resident" if warm_enough(size, on_disk, span) else "cold"
-                return [state, 0, 0, size, 0, on_disk]
-        if self.verdicts.dropped(key[0]):
-            return ["futile", 0, 0, 0, 0, 0]
-        if tier.keep == "hold":
-            return ["cold", 0, 0, 0, 0, 0]
-        return None
 
     def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
         """Give the engine what waits for it: all of it (a queue) or one batch."""
@@ -435,7 +404,8 @@ class Worker:
         item = completion.item
         outcome = completion.outcome
         if outcome == "read":
-            outcome = self.judged(completion)
+            root_index = item.key[0]
+            outcome = self.keeping.judged(completion, root_index, self.tiers[root_index])
         if outcome in ("read", "resident"):
             self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
@@ -452,40 +422,6 @@ class Worker:
                 item.relative,
                 os.strerror(completion.error) if completion.error else "unknown",
             )
-
-    def judged(self, completion: Completion) -> str:
-        """A file read, judged where its consumer will read it: `read` when a fresh open
-        by another process would find it warm (its root keeps the page cache, its file
-        system's own cache has it, or it is held open for the consumer: holds.py), else
-        `futile`. A root whose profile cannot tell is asked by reopening (reopen.py)."""
-        item = completion.item
-        root_index = item.key[0]
-        keep = self.tiers[root_index].keep
-        if completion.held_fd >= 0:
-            return "read" if self.holds.hold(item.key, completion.held_fd, completion.size) \
-                else "futile"
-        if keep == "hold":  # not held: an engine that cannot hold, or no budget
-            return "futile"
-        if keep != "probe":
-            return "read"
-        if completion.done > 0 and self.verdicts.wants_look(root_index):
-            warm = self.still_warm(item, completion.done)
-            if warm is not None:
-                self.verdicts.looked(root_index, warm)
-                if not warm:
-                    return "futile"  # this very file was found cold: never `read`
-        return "futile" if self.verdicts.dropped(root_index) else "read"
-
-    def still_warm(self, item: WarmItem, read: int) -> bool | None:
-        """Open the file anew, as its consumer will, and look at its pages: warm when at
-        least half of what was read is still there (the host's reclaimer takes a few
-        percent of fresh pages); None when the look failed."""
-        look, = self.inspector.look(
-            self.native.lib.KVP_INSPECT_CHECK,
-            [WarmItem(item.root_fd, item.rule, item.relative, item.read_bytes)], False)
-        if look.state not in ("resident", "cold"):
-            return None
-        return look.cached * 2 >= read
 
     def outcome(self, ticket: int, outcome: str, nbytes: int, error: int = 0) -> None:
         """Ticket 0 is a fire-and-forget file: reported as a count, not one by one. A
@@ -519,19 +455,14 @@ class Worker:
             tally = self.tallies[(share, outcome)] = Tally()
         return tally
 
-    @property
-    def holding_changed(self) -> bool:
-        """The held files' gauge is not what the supervisor last heard."""
-        return self.holds.enabled and self.holding != (len(self.holds), self.holds.bytes)
-
     def flush(self) -> None:
         """Report what was settled since the last report; with nothing settled, an empty
         report once a second while files are out, so the supervisor hears a live worker."""
         now = time.monotonic()
         queue_due = now - self.queue_reported >= QUEUE_REPORT_SECONDS
-        holding_now = queue_due and self.holding_changed
+        holding_now = queue_due and self.keeping.holding_changed
         if not self.outcomes and not self.anonymous and not self.tallies \
-                and not self.verdicts.changed and not holding_now:
+                and not self.keeping.verdicts.changed and not holding_now:
             busy = any(engine.outstanding for engine in self.engines.built())
             if not busy or now - self.reported < HEARTBEAT_SECONDS:
                 return
@@ -545,10 +476,7 @@ class Worker:
         queue: dict[str, Any] = {}
         if queue_due:
             self.queue_reported = now
-            queue = self.queue_figures()
-            if self.holds.enabled:
-                queue["held_files"], queue["held_bytes"] = self.holding = \
-                    len(self.holds), self.holds.bytes
+            queue = {**self.queue_figures(), **self.keeping.gauge()}
         send_all_blocking(self.sock, Done(
             settled=self.outcomes,
             bulk=[[share, outcome, tally.count, tally.nbytes, tally.indexes.tobytes()]
@@ -559,7 +487,7 @@ class Worker:
             latency_counts=self.latency.counts,
             latency_sum=self.latency.sum,
             queue=queue,
-            verdicts=self.verdicts.take_changed(),
+            verdicts=self.keeping.verdicts.take_changed(),
         ))
         self.outcomes = []
         self.tallies = {}
