@@ -83,6 +83,22 @@ func (c *Client) Stats(ctx context.Context) (map[string]any, error) {
 	return r.stats()
 }
 
+// Doctor returns what the daemon knows about warming each of its roots (docs/protocol.md,
+// "The `doctor` reply"): "host", "roots" (per root its file system, tier profile, FUSE
+// limits and "problems", each with its "fix", and "useful") and "useful", as plain Go
+// values. The daemon touches no file system to answer; `kvprefetch doctor` adds a live probe.
+func (c *Client) Doctor(ctx context.Context) (map[string]any, error) {
+	ctx, cancel := c.bound(ctx, 0)
+	defer cancel()
+	r, err := c.roundTrip(ctx, func(id uint64) (*bytes.Buffer, error) {
+		return encodeValue(&plainRequest{V: ProtocolVersion, ID: id, Op: opDoctor}, c.opts.MaxFrameBytes)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return r.doctor()
+}
+
 // Prefetch asks the daemon to warm the heads of paths (absolute, under its roots).
 //
 // By default it is fire-and-forget: it returns as soon as the request is handed to a

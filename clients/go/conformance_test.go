@@ -51,9 +51,9 @@ func TestNamesAreTheProtocolDocuments(t *testing.T) {
 		table string
 		names []string
 	}{
-		{"Requests", []string{opPing, opPrefetch, opPrefetchBlocks, opCheck, opEvict, opResolve, opStats}},
+		{"Requests", []string{opPing, opPrefetch, opPrefetchBlocks, opCheck, opEvict, opResolve, opStats, opDoctor}},
 		{"Per-file outcomes", []string{OutcomeRead, OutcomeResident, OutcomeMissing,
-			OutcomeDropped, OutcomeRejected, OutcomeFailed, OutcomeExpired}},
+			OutcomeDropped, OutcomeRejected, OutcomeFailed, OutcomeExpired, OutcomeFutile}},
 		{"Errors", []string{CodeBadRequest, CodeUnsupportedVersion, CodeUnknownOp,
 			CodeTooLarge, CodeForbidden, CodeOverloaded, CodeInternal}},
 	} {

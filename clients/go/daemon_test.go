@@ -379,6 +379,35 @@ func TestStats(t *testing.T) {
 	}
 }
 
+// Doctor's report on the shared daemon's local root: open and useful.
+func TestDoctor(t *testing.T) {
+	d := sharedDaemon(t)
+	c := newClient(t, d.Socket, kvprefetch.Options{})
+	ctx := testwait.Within(t, 30*time.Second)
+	report, err := c.Doctor(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if useful, ok := report["useful"].(bool); !ok || !useful {
+		t.Fatalf("doctor.useful = %#v", report["useful"])
+	}
+	host, ok := report["host"].(map[string]any)
+	if !ok || host["engine"] == nil {
+		t.Fatalf("doctor.host = %#v", report["host"])
+	}
+	roots, ok := report["roots"].([]any)
+	if !ok || len(roots) != 1 {
+		t.Fatalf("doctor.roots = %#v", report["roots"])
+	}
+	root, ok := roots[0].(map[string]any)
+	if !ok || root["root"] != d.Root || root["status"] != "open" || root["useful"] != true {
+		t.Fatalf("doctor.roots[0] = %#v", roots[0])
+	}
+	if _, ok := root["problems"].([]any); !ok {
+		t.Fatalf("doctor.roots[0].problems = %#v", root["problems"])
+	}
+}
+
 // Many goroutines share one connection with few slots: every reply reaches its own caller.
 func TestPipelinedCallsOnOneConnection(t *testing.T) {
 	d := sharedDaemon(t)

@@ -46,6 +46,10 @@ type reply struct {
 	Fingerprint *string    `msgpack:"fingerprint"`
 
 	Stats msgpack.RawMessage `msgpack:"stats"` // decoded only when asked for
+
+	Host   msgpack.RawMessage `msgpack:"host"` // doctor's, decoded only when asked for
+	Roots  msgpack.RawMessage `msgpack:"roots"`
+	Useful *bool              `msgpack:"useful"`
 }
 
 type failure struct {
@@ -216,6 +220,37 @@ func (r *reply) stats() (map[string]any, error) {
 		return nil, &ProtocolError{Reason: "'stats' is not a map"}
 	}
 	return m, nil
+}
+
+// doctor is the `doctor` reply as plain Go values: host, roots and useful.
+func (r *reply) doctor() (map[string]any, error) {
+	if len(r.Host) == 0 {
+		return nil, missing("host")
+	}
+	if len(r.Roots) == 0 {
+		return nil, missing("roots")
+	}
+	if r.Useful == nil {
+		return nil, missing("useful")
+	}
+	out := map[string]any{"useful": *r.Useful}
+	for name, raw := range map[string]msgpack.RawMessage{"host": r.Host, "roots": r.Roots} {
+		dec := msgpack.NewDecoder(bytes.NewReader(raw))
+		dec.UseLooseInterfaceDecoding(true)
+		dec.SetMapDecoder(decodeLooseMap)
+		v, err := dec.DecodeInterfaceLoose()
+		if err != nil {
+			return nil, &ProtocolError{Reason: "undecodable " + name + ": " + err.Error()}
+		}
+		out[name] = normalize(v)
+	}
+	if _, ok := out["host"].(map[string]any); !ok {
+		return nil, &ProtocolError{Reason: "'host' is not a map"}
+	}
+	if _, ok := out["roots"].([]any); !ok {
+		return nil, &ProtocolError{Reason: "'roots' is not an array"}
+	}
+	return out, nil
 }
 
 // normalize turns every integer that fits into an int64.

@@ -35,6 +35,7 @@ def diagnose(states: list[RootState], config: Config, engine: str) -> dict[str, 
     uring = native.engine_unavailable("io_uring", "read")
     host = {
         "engine": engine,
+        "read_bytes": config.read_bytes,  # a head warm-up's depth (extent `head`)
         "io_uring": "available" if uring is None else f"unavailable: {uring}",
         "cachestat": bool(lib.kvp_have_cachestat()),
         # O_NOATIME needs the file's owner or CAP_FOWNER; refusals are counted in stats
@@ -53,7 +54,8 @@ def diagnose_root(state: RootState, config: Config, engine: str) -> dict[str, An
     report: dict[str, Any] = {"root": state.path, "status": state.status}
     problems: list[dict[str, str]] = []
     if rule is None:
-        problems.append({"problem": f"the root is not open ({state.status}): {state.message}",
+        problems.append({"severity": "error",
+                         "problem": f"the root is not open ({state.status}): {state.message}",
                          "fix": "create the directory or mount the file system; the daemon "
                                 "opens it by itself"})
         report.update(problems=problems, useful=False)

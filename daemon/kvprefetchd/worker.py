@@ -300,7 +300,8 @@ class Worker:
                 for waiting in self.in_flight.settle(key, depth):
                     self.outcome(waiting, "missing", 0, errno.ENOENT)
                 continue
-            skip = keeping.skip(root_index, tier, relative, depth)
+            skip = keeping.skip(root_index, tier, relative, depth) \
+                if tier.keep != "pagecache" else ""
             if skip:  # held or in the file system's cache; or a futile root's
                 for waiting in self.in_flight.settle(key, depth):
                     self.outcome(waiting, skip, 0)

@@ -204,6 +204,7 @@ def test_names_match_protocol_md() -> None:
         "rejected",
         "failed",
         "expired",
+        "futile",
     }
     assert {c.value for c in ErrorCode} == {
         "bad_request",

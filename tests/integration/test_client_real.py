@@ -95,4 +95,4 @@ def test_cli_resolve_and_warm_request(daemon: Daemon, tmp_path: Path) -> None:
     warmed = cli("warm-request", "--wait")
     assert warmed["files"] == 4
     assert warmed["outcomes"] == {"read": 3, "resident": 0, "missing": 1, "rejected": 0,
-                                  "failed": 0, "expired": 0}
+                                  "failed": 0, "expired": 0, "futile": 0}

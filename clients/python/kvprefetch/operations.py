@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypeVar, overload
 
 from kvprefetch import protocol, results
+from kvprefetch.diagnosis import DoctorReport, parse_doctor
 from kvprefetch.protocol import MAX_FRAME_BYTES, PathLike, Reply, default_socket
 from kvprefetch.stats import Stats
 
@@ -261,6 +262,12 @@ class Operations:
     def stats() -> Exchange[Stats]:
         """The daemon's counters and gauges (kvprefetch.stats describes them)."""
         return Exchange.one(protocol.stats_request(), results.parse_stats)
+
+    @operation
+    def doctor() -> Exchange[DoctorReport]:
+        """Per root: its file system, tier profile, FUSE limits, and what stands in the way
+        of warming it, each problem with its fix (kvprefetch.diagnosis describes it)."""
+        return Exchange.one({"op": "doctor"}, parse_doctor)
 
 
 def _checked_prefetch(reply: Reply) -> results.PrefetchResult:
