@@ -110,7 +110,7 @@ def test_warm_splits_long_lists_into_pipelined_batches(
     sizes = sorted(len(r["paths"]) for r in daemon.requests("prefetch"))
     full, rest = divmod(10_000, BATCH_PATHS)
     assert sizes == [rest] + [BATCH_PATHS] * full
-    assert daemon.connections == 1
+    assert daemon.connections == 2  # the batches pipelined on one, the Watchdog's probes
 
 
 def test_stats_human_and_json(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:

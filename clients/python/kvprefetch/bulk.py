@@ -8,6 +8,10 @@ whatever the list's length); every request asks for all its failures to be liste
 (max_failures = the batch), so a file the daemon dropped for a full queue is known by name
 and sent again after a backoff; and a fire-and-forget batch is sent only while the
 daemon's last ack (`room`), less what was sent since, leaves room for it.
+
+No reply is waited for with a clock: a batch of a slow tier takes as long as its files do.
+The CLI runs a kvprefetch.liveness.Watchdog beside the run, which gives up only when the
+daemon stops answering, and feeds `observe` the daemon's counters for the progress line.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from kvprefetch.aio import AsyncClient
+from kvprefetch.progress import Figures, Progress
 from kvprefetch.protocol import Path
 from kvprefetch.results import CheckResult, Failure, FileState, PrefetchResult
+from kvprefetch.stats import Stats
 
 BATCH_PATHS = 1024
 BATCH_BYTES = 1 << 20
@@ -32,7 +38,6 @@ MAX_ATTEMPTS = 40  # sends of one dropped file before it is given up (counted dr
 BACKOFF_FIRST_S = 0.005
 BACKOFF_MAX_S = 0.5
 LISTED_MAX = 100_000  # failures kept for --json; -v prints them as they come instead
-PROGRESS_EVERY_S = 0.2
 READ_CHUNK = 1 << 20
 # The longest line a list may hold: Linux's PATH_MAX (4,096 bytes with the NUL), longer
 # than any name the kernel opens and than the daemon's default max_path_bytes. A longer
@@ -165,27 +170,40 @@ class Tally:
 
 
 Report = Callable[[Failure], None]
+# The daemon's counters of files a check or an evict looked at (docs/protocol.md, "The
+# `stats` reply"); warm-ups settled are its `files`: accepted less in_flight, whatever
+# outcomes a daemon adds.
+SETTLED_EVENTS = {"check": "files_checked", "evict": "files_evicted"}
 
 
 class Bulk:
-    """One bulk run: `op` is warm, check or evict; `options` go into each request."""
+    """One bulk run: `op` is warm, check or evict; `options` go into each request.
+
+    `progress`: a Progress, or a stream to redraw a terminal's line on. `on_answer` is
+    called at each reply (the Watchdog's `answered`)."""
 
     def __init__(self, client: AsyncClient, op: str, options: dict[str, Any], *,
                  wait: bool = True, report: Report | None = None,
-                 progress: IO[str] | None = None) -> None:
+                 progress: Progress | IO[str] | None = None) -> None:
         self.client = client
         self.op = op
         self.options = options
         self.wait = wait
         self.report = report
-        self.progress = progress
+        self.progress = (progress if progress is None or isinstance(progress, Progress)
+                         else Progress(progress, redraw=True))
         self.on_file: Callable[[FileState], None] | None = None
+        self.on_answer: Callable[[], None] | None = None
         self.tally = Tally()
         self.room: int | None = None  # the queues' room, as the last ack said
-        self.unacked = 0  # fire-and-forget paths sent since: not in that figure yet
         self.most_room = 0  # the most room an ack ever said: about the queues' size
+        self.in_flight = 0  # paths sent whose reply has not come (not in `room` yet)
+        self.listed_all = False  # the input is read to its end
         self._window = asyncio.Semaphore(WINDOW)
-        self._shown = 0.0
+        self._daemon_first: int | None = None  # the daemon's settled count when first seen
+        self._daemon_settled = 0  # settled by the daemon since then, every client's files
+        self._done = 0  # the progress figure, last computed
+        self._grew = time.monotonic()  # when it last grew
 
     async def run(self, paths: Iterator[Path]) -> Tally:
         """Send every path. The first error (a request that failed, a list that is not
@@ -214,11 +232,17 @@ class Bulk:
                     raise
                 if batch is None:
                     self._window.release()
+                    self.listed_all = True
                     break
                 self.tally.paths += len(batch)
                 task = asyncio.create_task(self._send(batch))
                 tasks.add(task)
                 task.add_done_callback(finished)
+        except asyncio.CancelledError:  # the daemon stopped answering (Watchdog), Ctrl-C
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         except Exception:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
@@ -237,14 +261,12 @@ class Bulk:
                     self.tally.retried += len(batch)
                 if self.op == "warm" and not self.wait:
                     await self._pace(len(batch))
-                    self.unacked += len(batch)
-                    try:
-                        dropped = await self._warm(batch)
-                    finally:
-                        self.unacked -= len(batch)
-                else:
-                    dropped = await (self._warm(batch) if self.op == "warm"
-                                     else self._inspect(batch))
+                self.in_flight += len(batch)
+                dropped = await (self._warm(batch) if self.op == "warm"
+                                 else self._inspect(batch))
+                self.in_flight -= len(batch)  # not on an error: the run ends with them out
+                if self.on_answer is not None:
+                    self.on_answer()
                 attempt += 1
                 if dropped and attempt >= MAX_ATTEMPTS:
                     self.tally.dropped += len(dropped)
@@ -303,12 +325,14 @@ class Bulk:
         the queues to drain (an empty prefetch only reports the room)."""
         delay = BACKOFF_FIRST_S
         # Queues smaller than that take what they can, the rest is resent.
-        while self.room is not None and self.room - self.unacked < min(2 * files,
+        while self.room is not None and self.room - self.in_flight < min(2 * files,
                                                                        self.most_room):
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
-            if self.unacked == 0:  # else the acks on their way will say
+            if self.in_flight == 0:  # else the acks on their way will say
                 probe = await self.client.prefetch([])
+                if self.on_answer is not None:
+                    self.on_answer()
                 self.room = probe.room
                 self.most_room = max(self.most_room, probe.room or 0)
 
@@ -320,20 +344,43 @@ class Bulk:
         elif len(tally.failures) < LISTED_MAX:
             tally.failures.append(failure)
 
-    def show(self, final: bool = False) -> None:
-        """A progress line on a terminal, at most every PROGRESS_EVERY_S."""
-        if self.progress is None:
-            return
-        now = time.monotonic()
-        if not final and now - self._shown < PROGRESS_EVERY_S:
-            return
-        self._shown = now
+    def observe(self, stats: Stats) -> None:
+        """The daemon's counters (a Watchdog's `stats` probe): between replies, files it
+        settled since the run began count toward the progress line, as far as this run
+        has files out. Every client's files are in them, so the figure is shown as
+        `about` until the replies confirm it."""
+        try:
+            if self.op == "warm":
+                count = int(stats["files"]["accepted"]) - int(stats["files"]["in_flight"])
+            else:
+                count = int(stats["events"][SETTLED_EVENTS[self.op]])
+        except (KeyError, TypeError, ValueError):
+            return  # a daemon of another version: the replies alone will do
+        if self._daemon_first is None:
+            self._daemon_first = count
+        self._daemon_settled = count - self._daemon_first
+        self.show()
+
+    def figures(self) -> Figures:
+        """Where the run stands: files settled (confirmed by replies, or as the daemon's
+        counters say, within what is in flight), or queued when nobody waits."""
         tally = self.tally
-        elapsed = max(now - tally.started, 1e-6)
-        done = tally.settled if (self.wait or self.op != "warm") else tally.accepted
-        line = (f"\rkvprefetch {self.op}: {done:,} of {tally.paths:,} files "
-                f"({done / elapsed:,.0f}/s)")
-        if tally.retried:
-            line += f", {tally.retried:,} resent after a full queue"
-        self.progress.write(line + ("\n" if final else ""))
-        self.progress.flush()
+        now = time.monotonic()
+        if self.op == "warm" and not self.wait:
+            verb, confirmed = "queued", tally.accepted
+        else:
+            verb, confirmed = "settled", tally.settled
+        done = confirmed
+        if verb == "settled":
+            done = max(confirmed, min(self._daemon_settled, confirmed + self.in_flight))
+        if done > self._done:
+            self._done, self._grew = done, now
+        return Figures(op=self.op, verb=verb, done=done, about=done > confirmed,
+                       listed=tally.paths, listed_all=self.listed_all,
+                       in_flight=self.in_flight - (done - confirmed), retried=tally.retried,
+                       elapsed_s=now - tally.started, idle_s=now - self._grew)
+
+    def show(self, final: bool = False) -> None:
+        """The progress line, as often as its Progress draws."""
+        if self.progress is not None:
+            self.progress.show(self.figures(), final)

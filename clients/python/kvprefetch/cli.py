@@ -18,11 +18,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from kvprefetch import __version__
+from kvprefetch import __version__, doctor
 from kvprefetch.aio import AsyncClient
 from kvprefetch.bulk import Bulk, Tally, read_paths
 from kvprefetch.client import Client
-from kvprefetch.errors import ConnectFailed, KVPrefetchError, ServerError
+from kvprefetch.errors import (
+    ConnectFailed,
+    ConnectionClosed,
+    KVPrefetchError,
+    ServerError,
+    Timeout,
+)
+from kvprefetch.liveness import DaemonLost, DaemonSilent, Watchdog
+from kvprefetch.progress import LINES_EVERY_S, Progress
 from kvprefetch.protocol import DEFAULT_SOCKET, Outcome
 from kvprefetch.results import Failure, FileState
 from kvprefetch.stats import Stats
@@ -48,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = Client(args.socket, timeout=args.timeout or None)
     args.socket = client.socket_path
     try:
+        if getattr(args, "doctor", None):  # prints its own report; its exit code says
+            with client:                   # whether every root can be warmed usefully
+                return int(args.doctor(client, args))
         if getattr(args, "bulk", False):
             return _run_bulk(args)
         with client:
@@ -82,9 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
-        help="seconds to wait for the daemon, on top of --timeout-ms; 0 waits forever",
+        help="seconds without any answer from the daemon before giving up (exit 1); 0: "
+        "never. warm, check and evict ask it `stats` meanwhile on a connection of their "
+        "own, so slow files never time out, only a daemon that stops answering does "
+        "(warm-request --wait: on top of its --timeout-ms)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     # Also accepted after the command; SUPPRESS keeps a global --json from being reset there.
@@ -106,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="list every file not warmed and why (check: every file)")
     files.add_argument("--read-bytes", type=_positive, metavar="N",
                        help="bytes per file (default: the daemon's read_bytes)")
+    files.add_argument("--progress", type=_seconds, default=LINES_EVERY_S, metavar="S",
+                       help="when stderr is no terminal, a progress line there every S "
+                            f"seconds of a run that lasts that long (default {LINES_EVERY_S:g};"
+                            " 0: none); a terminal's line is redrawn as the files settle")
 
     warm = commands.add_parser(
         "warm", parents=[output, files], help="warm the heads of files",
@@ -114,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--wait", action="store_true", help="wait for every file's outcome")
     warm.add_argument(
         "--timeout-ms", type=_milliseconds, metavar="N",
-        help="with --wait: stop waiting after N ms"
+        help="with --wait: the daemon stops waiting for a batch (up to 1,024 files) N ms "
+             "after it arrives; files not settled by then count as expired"
     )
     warm.add_argument("--deadline-ms", type=_milliseconds, metavar="N",
                       help="files not started within N ms of reaching the daemon are skipped "
@@ -181,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
         "stats", parents=[output],
         help="a one-screen summary of the daemon's figures (--json: all of them)")
     stats.set_defaults(run=_run_stats, describe=_describe_stats)
+    doctor.add_parser(commands, parents=[output])
     return parser
 
 
@@ -198,6 +218,17 @@ def _positive(text: str) -> int:
     value = _count(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= MAX_MILLISECONDS / 1000:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"seconds from 0 to {MAX_MILLISECONDS // 1000}: "
+                                         f"{text}")
     return value
 
 
@@ -244,18 +275,42 @@ def _run_bulk(args: argparse.Namespace) -> int:
         options["whole"] = True
     verbose = args.verbose and not args.json
     report = _print_failure if verbose else None
-    progress = sys.stderr if sys.stderr.isatty() else None
+    progress = None
+    if sys.stderr.isatty():
+        progress = Progress(sys.stderr, redraw=True)
+    elif args.progress:
+        progress = Progress(sys.stderr, redraw=False, every_s=args.progress)
     paths = read_paths(args.paths, args.lists, nul=args.null)
+    timeout = args.timeout or None
+    runs: list[Bulk] = []
 
     async def go() -> Tally:
-        async with AsyncClient(args.socket, timeout=args.timeout or None) as client:
+        # The bulk connection has no clock of its own: a batch's reply takes what its
+        # files take. The Watchdog, on a connection of its own, gives up on silence.
+        async with AsyncClient(args.socket, timeout=None) as client:
+            try:
+                await asyncio.wait_for(client.connect(), timeout)
+            except TimeoutError:
+                raise ConnectFailed(client.socket_path, OSError("connect timed out")) from None
             bulk = Bulk(client, args.op, options, wait=args.op != "warm" or args.wait,
                         report=report, progress=progress)
+            runs.append(bulk)
             if verbose and args.op != "warm":
                 bulk.on_file = _print_file_state
-            return await bulk.run(paths)
+            async with AsyncClient(args.socket, timeout=timeout) as prober:
+                # stats, not ping: its counters move the progress line, and say how far
+                # the daemon got if it stops answering.
+                watchdog = Watchdog(prober, timeout, observe=bulk.observe)
+                bulk.on_answer = watchdog.answered
+                return await watchdog.guard(bulk.run(paths))
 
-    tally = asyncio.run(go())
+    try:
+        tally = asyncio.run(go())
+    except (ConnectionClosed, Timeout) as error:
+        if not runs:
+            raise
+        why = "" if isinstance(error, (DaemonLost, DaemonSilent)) else " (it died or restarted)"
+        raise KVPrefetchError(f"{error}{why}; gave up with {_standing(runs[0])}") from error
     problems = _problems(tally, args)
     if args.json:
         print(json.dumps(_jsonable(_tally_json(tally, args)), sort_keys=True))
@@ -264,10 +319,18 @@ def _run_bulk(args: argparse.Namespace) -> int:
     return EXIT_SOME_FILES if problems else EXIT_OK
 
 
+def _standing(bulk: Bulk) -> str:
+    """How far a run got, for the message of one that could not finish."""
+    figures = bulk.figures()
+    listed = f"{figures.listed:,}" + ("" if figures.listed_all else "+")
+    return (f"{'about ' if figures.about else ''}{figures.done:,} of {listed} files "
+            f"{figures.verb}, {figures.in_flight:,} still in flight")
+
+
 def _problems(tally: Tally, args: argparse.Namespace) -> int:
     """Files that make the exit code 4, from the counts (which a daemon that lists no
     failures sends too): not warmed (warm), not looked at (check, evict)."""
-    bad = ["rejected", "failed", "expired"]
+    bad = ["rejected", "failed", "expired", "futile"]
     if args.op == "warm" and not args.ignore_missing:
         bad.append("missing")  # check reports missing files; it does not fail on them
     counts = tally.outcomes if args.op == "warm" else tally.states
@@ -322,7 +385,8 @@ def _describe_tally(tally: Tally, args: argparse.Namespace) -> str:
     lines = [
         ", ".join([f"files: {files:,}", f"resident {resident:,} ({_percent(resident, files)})"]
                   + [f"{name} {states[name]:,}" for name in
-                     ("cold", "missing", "rejected", "failed", "expired") if states.get(name)]),
+                     ("cold", "missing", "rejected", "failed", "expired", "futile")
+                     if states.get(name)]),
         f"resident bytes: {_size(tally.resident_bytes)} of {_size(tally.size_bytes)} "
         f"({_percent(tally.resident_bytes, tally.size_bytes)}) in {elapsed:.2f} s",
     ]
