@@ -17,10 +17,11 @@ import pytest
 from kvharness.daemon import Daemon, cpu_seconds, start_cli, write_config
 from kvharness.pagecache import assert_warmed, drops, evict, make_file, pinned, resident_bytes
 from kvharness.wire import HEADER
+from kvprefetchd.protocol import OUTCOMES as PROTOCOL_OUTCOMES
 from open_audit import OpenAudit
 
 MIB = 1 << 20
-OUTCOMES = {"read", "resident", "missing", "rejected", "failed", "expired"}
+OUTCOMES = set(PROTOCOL_OUTCOMES)  # every outcome name, zeros included
 
 
 def balanced(reply: dict[str, Any]) -> bool:

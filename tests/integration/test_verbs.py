@@ -234,7 +234,7 @@ def test_check_reports_residency_without_reading_or_touching_atime(
     assert os.stat(cold).st_atime == before, "check changed atime"
     assert resident_bytes(cold, MiB) == 0, "check read the file"
     assert summary["states"] == {"resident": 1, "cold": 1, "missing": 1, "rejected": 1,
-                                 "failed": 0, "dropped": 0, "expired": 0}
+                                 "failed": 0, "dropped": 0, "expired": 0, "futile": 0}
     assert summary["files"] == 4 and summary["resident_files"] == 1
     assert summary["size_bytes"] == MiB + 256 * KiB
     assert summary["resident_bytes"] == 256 * KiB
