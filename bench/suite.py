@@ -45,12 +45,15 @@ import datasets
 import hot
 import plots
 import psutil
+import realtier
 import report
 import tier
 import tier_report
 import warmup
 
 import tiersim
+from kvharness.realtier import RealTierUnavailable
+from kvharness.realtier import required as realtier_required
 
 HERE = Path(__file__).resolve().parent
 SCENARIOS = HERE / "scenarios"
@@ -70,7 +73,7 @@ def load_scenarios(path: Path) -> dict[str, Any]:
     """Read and check a scenario file; every error names the table and key."""
     with open(path, "rb") as handle:
         spec = tomllib.load(handle)
-    unknown = set(spec) - {"suite", "warmup", "tier", "ack", "load", "hot"}
+    unknown = set(spec) - {"suite", "warmup", "tier", "ack", "load", "hot", "realtier"}
     if unknown:
         raise ScenarioError(f"{path}: unknown tables {sorted(unknown)}")
     for table, keys in (("suite", SUITE_KEYS), ("ack", ACK_KEYS), ("load", LOAD_KEYS)):
@@ -93,6 +96,10 @@ def load_scenarios(path: Path) -> dict[str, Any]:
     for index, entry in enumerate(spec.get("tier", [])):
         where = f"{path}: [[tier]] #{index + 1}"
         if errors := tier.check_table(entry, spec.get("suite", {}).get("reps", 3)):
+            raise ScenarioError(f"{where}: {'; '.join(errors)}")
+    for index, entry in enumerate(spec.get("realtier", [])):
+        where = f"{path}: [[realtier]] #{index + 1}"
+        if errors := realtier.check_table(entry, spec.get("suite", {}).get("reps", 2)):
             raise ScenarioError(f"{where}: {'; '.join(errors)}")
     return spec
 
@@ -233,6 +240,13 @@ def run_suite(spec: dict[str, Any], name: str, base: Path, out: Path,
         units = args.reps * len(tier.latencies(args)) * len(tier.method_list(args))
         label = tier.table_label(entry)
         plans.append((label, _tier_runner(label, args, raw_dir), units))
+    for entry in spec.get("realtier", []) if want("realtier") else []:
+        args = realtier.parse_args(realtier.table_argv(entry, suite.get("reps", 2),
+                                                       raw_dir / "tmp"))
+        units = args.reps * len(realtier.parse_tiers(args.tiers)) * len(
+            [m for m in args.methods.split(",") if m])
+        label = realtier.table_label(entry)
+        plans.append((label, _realtier_runner(label, args, raw_dir), units))
     if "ack" in spec and want("ack"):
         args = ack_latency.parse_args(ack_argv(spec["ack"], base, raw_dir / "tmp"))
         units = len(args.modes.split(",")) * len(args.sizes.split(","))
@@ -300,6 +314,38 @@ def _tier_runner(label: str, args: argparse.Namespace,
     return run
 
 
+def _realtier_runner(label: str, args: argparse.Namespace,
+                     raw_dir: Path) -> Callable[[Progress], dict[str, Any]]:
+    def run(progress: Progress) -> dict[str, Any]:
+        try:
+            raw = realtier.run(args, lambda tier_name, method, rep: progress.step(
+                f"{label}: {tier_name} {method} #{rep + 1}"))
+        except RealTierUnavailable as error:
+            if realtier_required():  # CI: the real tiers must mount there
+                raise
+            return {"name": label, "kind": "realtier", "status": f"skipped: {error}",
+                    "tiers": []}
+        path = raw_dir / (label.replace("/", "-") + ".json")
+        path.write_text(json.dumps(raw, indent=1) + "\n")
+        ok = all(m["ok"] for t in raw["tiers"] for m in t["methods"].values())
+        return {**raw, "name": label, "status": "ok" if ok else "failed",
+                "raw": str(path.relative_to(raw_dir.parent))}
+    return run
+
+
+def realtier_markdown(results: dict[str, Any]) -> str:
+    """The [[realtier]] scenarios' tables (report.markdown leaves kinds it does not know)."""
+    parts = []
+    for scenario in results["scenarios"]:
+        if scenario["kind"] != "realtier":
+            continue
+        if scenario["tiers"]:
+            parts.append(realtier.markdown(scenario))
+        else:
+            parts.append(f"**Real tiers**: {scenario['status']}")
+    return "".join("\n" + part + "\n" for part in parts)
+
+
 def _ack_runner(args: argparse.Namespace, raw_dir: Path) -> Callable[[Progress], dict[str, Any]]:
     def run(progress: Progress) -> dict[str, Any]:
         raw = ack_latency.run(args, lambda mode, size: progress.step(f"ack: {mode} {size}"))
@@ -346,7 +392,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="where datasets live (default: /var/tmp/kvbench for --full, "
                         "OUT/data otherwise, removed afterwards)")
     parser.add_argument("--only", default="",
-                        help="comma list of kinds: warmup,tier,ack,load,hot")
+                        help="comma list of kinds: warmup,tier,ack,load,hot,realtier")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return parser.parse_args(argv)
 
@@ -369,10 +415,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_plots:
         results["plots"] = plots.draw(results, args.out)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "summary.md").write_text(report.markdown(results))
+    (args.out / "summary.md").write_text(report.markdown(results) + realtier_markdown(results))
     report.print_summary(results)
+    if extra := realtier_markdown(results):
+        print(extra)
     print(f"\nresults: {args.out / 'results.json'}", file=sys.stderr)
-    return 0 if report.all_ok(results) else 1
+    realtier_ok = all(s["status"] != "failed" for s in results["scenarios"]
+                      if s["kind"] == "realtier")
+    return 0 if report.all_ok(results) and realtier_ok else 1
 
 
 if __name__ == "__main__":

@@ -50,15 +50,19 @@ class Keeping:
         return self.holds.enabled and self.reported != self.holding
 
     def skip(self, root_index: int, tier: RootTier, relative: bytes, span: int) -> str:
-        """"resident" (no read needed), "futile" (no read worth a fetch) or "" (read it)."""
+        """"resident" (no read needed), "metadata" (a futile root's: no data read is worth
+        a fetch, but its lookup is) or "" (read it)."""
         if tier.fs_cache:
             copy = self.fscache.cached(tier.fs_cache, relative)
             if copy is not None and warm_enough(copy[0], copy[1], span):
                 return "resident"
         verdicts = self.verdicts
         if verdicts.dropped(root_index) and not verdicts.wants_look(root_index):
-            # One file is read again when the verdict is due to be looked at anew.
-            return "futile"
+            # The file's lookup and attributes still reach the consumer where the file
+            # system caches them (rclone's directory cache: the consumer's open then sends
+            # no HEAD, 2.8 s instead of 4.2 s for 60 files here); its data would not. One
+            # file is read again when the verdict is due to be looked at anew.
+            return "metadata"
         return ""
 
     def known_state(self, key: Hashable, root_index: int, relative: bytes, tier: RootTier,

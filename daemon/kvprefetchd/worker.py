@@ -292,19 +292,19 @@ class Worker:
             key: Key = (root_index, relative)
             tier = self.tiers[root_index]
             depth = WHOLE_FILE if tier.whole else read_bytes
+            skip = keeping.skip(root_index, tier, relative, depth) \
+                if tier.keep != "pagecache" else ""
+            if skip == "metadata":  # a futile root: a lookup and no read (read_bytes 0)
+                depth = 0
             if not self.in_flight.join(key, depth, ticket):
                 self.counters["dedup_in_flight"] += 1
                 continue
             root_fd = self.root_fds[root_index]
             if root_fd < 0:  # not open yet (missing at start, or its tier not answering)
+                skip = "missing"
+            if skip in ("missing", "resident"):  # or held, or in the file system's cache
                 for waiting in self.in_flight.settle(key, depth):
-                    self.outcome(waiting, "missing", 0, errno.ENOENT)
-                continue
-            skip = keeping.skip(root_index, tier, relative, depth) \
-                if tier.keep != "pagecache" else ""
-            if skip:  # held or in the file system's cache; or a futile root's
-                for waiting in self.in_flight.settle(key, depth):
-                    self.outcome(waiting, skip, 0)
+                    self.outcome(waiting, skip, 0, errno.ENOENT if skip == "missing" else 0)
                 continue
             queue.append(WarmItem(root_fd, self.rules[root_index], relative, depth, key,
                                   received, deadline,
@@ -407,6 +407,8 @@ class Worker:
         if outcome == "read":
             root_index = item.key[0]
             outcome = self.keeping.judged(completion, root_index, self.tiers[root_index])
+        elif outcome == "resident" and item.read_bytes == 0:
+            outcome = "futile"  # a futile root's lookup (keeping.skip): nothing was read
         if outcome in ("read", "resident"):
             self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
