@@ -8,9 +8,11 @@ supervisor goes away.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -62,6 +64,17 @@ def pin_mmap_threshold() -> None:
     mallopt(M_ARENA_MAX, ARENA_MAX)
 
 
+def fd_room(wanted: int) -> None:
+    """Raise the soft RLIMIT_NOFILE towards `wanted` (at most the hard limit): a worker holds
+    an fd per read in flight, per batch file open, and per file held open for its consumer
+    (holds.py), more than the supervisor's own need it inherited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
     """Entry point in the forked child; never returns into the supervisor's code."""
     status = EXIT_OK
@@ -88,6 +101,8 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
                 # setpriority: the worker serves at the supervisor's priority, said once.
                 renice = f"cannot renice workers by {plan.nice}: {error.strerror}"
         pin_mmap_threshold()
+        settings = plan.engine_settings
+        fd_room(settings.max_open_files + settings.max_in_flight + plan.holds.max_files + 64)
         try:
             if injected(WORKER_BOOT_FAILS):
                 raise RuntimeError("boot failure injected by KVPREFETCHD_FAULTS")

@@ -62,6 +62,12 @@ def call(daemon: Daemon, op: str, **fields: Any) -> dict[str, Any]:
     return reply
 
 
+def open_files_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as limits:
+        line = next(line for line in limits if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
 def held_files(daemon: Daemon) -> int:
     return sum(w["queue"].get("held_files", 0) for w in daemon.stats()["workers"])
 
@@ -90,6 +96,8 @@ def test_s3fs_defaults_warm_ups_are_held_open_until_the_consumer_opens_them(
         daemon: Daemon = daemon_factory(root=fs.path)
         root = daemon.stats()["roots"][0]
         assert (root["fstype"], root["keep"], root["extent"]) == ("fuse.s3fs", "hold", "whole")
+        for worker in daemon.stats()["workers"]:  # room for its share of held files
+            assert open_files_limit(worker["pid"]) >= 1024 + 512 + 2048
         reply = call(daemon, "prefetch", paths=paths, wait=True, timeout_ms=60_000)
         assert reply["outcomes"]["read"] == FILES, reply
         states = call(daemon, "check", paths=paths)["states"]
