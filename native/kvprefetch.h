@@ -174,6 +174,11 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
 /* Move up to max settled files into out; returns how many. */
 size_t kvp_queue_reap(struct kvp_queue *q, struct kvp_done *out, size_t max);
 void kvp_queue_tick(struct kvp_queue *q);
+/* The reads in flight a root starts from, instead of cfg.initial_depth (its depth then
+ * follows the file system as any root's does): a FUSE mount's share of its connection's
+ * max_background, past which reads only wait in the kernel.  Applied while the root has
+ * nothing pending or running; 0 leaves it as it is. */
+void kvp_queue_root_depth(struct kvp_queue *q, int root_fd, uint32_t initial);
 void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out);
 
 /* inotify for held files (watch.c): a non-blocking inotify fd (-errno on failure); a

@@ -574,6 +574,17 @@ static void sweep(struct kvp_queue *q, struct qlist *l, int64_t t, int ordered)
     }
 }
 
+void kvp_queue_root_depth(struct kvp_queue *q, int root_fd, uint32_t initial)
+{
+    if (initial == 0)
+        return;
+    pthread_mutex_lock(&q->mu);
+    struct qroot *r = root_of(q, root_fd);
+    if (r->fd == root_fd && r->running == 0 && r->pending.n == 0)
+        kvp_depth_init(&r->depth, MIN(initial, q->cfg.max_threads), q->cfg.max_threads);
+    pthread_mutex_unlock(&q->mu);
+}
+
 void kvp_queue_tick(struct kvp_queue *q)
 {
     int64_t t = now_ns();

@@ -85,6 +85,7 @@ class Root:
     whole: bool = False
     fs_cache: str = ""
     hold: bool = False
+    depth: int = 0
     fd: int = -1
 
 
@@ -99,6 +100,9 @@ class RootTier:
     whole: bool = False
     fs_cache: str = ""
     hold: bool = False  # warmed files are held open for their consumer (holds.py)
+    # Reads in flight this worker starts the root at (0: initial_depth): a FUSE mount's
+    # share of max_background, past which reads only queue in the kernel.
+    depth: int = 0
 
 
 @dataclass(slots=True)

@@ -20,12 +20,8 @@ from typing import Any
 from kvprefetchd.config import Config
 from kvprefetchd.native import load_native
 from kvprefetchd.rootset import RootState
-from kvprefetchd.tiers import FUSECTL, fuse_limits
+from kvprefetchd.tiers import FUSE_DEFAULT_MAX_BACKGROUND, FUSECTL, fuse_limits
 
-# The kernel's default max_background for a FUSE connection (fs/fuse/inode.c,
-# FUSE_DEFAULT_MAX_BACKGROUND): at most this many reads in flight on the mount, whatever
-# the warmer does, unless the file system or root raises it.
-FUSE_DEFAULT_MAX_BACKGROUND = 12
 QUEUE_ENGINES = ("pread", "fadvise")
 
 

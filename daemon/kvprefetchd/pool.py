@@ -307,7 +307,7 @@ class WorkerPool:
                 continue
             handle.with_fds.append((encode(Root(state.index, state.code, state.tier.keep,
                                                    state.tier.whole, state.tier.fs_cache,
-                                                   state.tier.hold, copy)), copy))
+                                                   state.tier.hold, state.tier.depth, copy)), copy))
             self.flush(handle)
 
     def flush(self, handle: WorkerHandle) -> None:

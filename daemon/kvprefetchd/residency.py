@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvprefetchd.native import load_native
 from kvprefetchd.tiers import (
+    FUSE_DEFAULT_MAX_BACKGROUND,
     MountFacts,
     TierProfile,
     fs_cache_dir,
@@ -53,6 +54,16 @@ class RootRule:
     def keep(self) -> str:
         """How a warm-up survives to the consumer (tiers.KEEPS)."""
         return self.profile.keep
+
+    @property
+    def fuse_depth(self) -> int:
+        """Reads in flight worth having on this root, all workers together: a FUSE
+        connection's max_background (the kernel's default, 12, when fusectl is not
+        mounted to say), past which reads wait in the kernel; 0 on any other file system
+        (the depth controller finds it)."""
+        if not self.fstype.startswith("fuse"):
+            return 0
+        return self.facts.max_background or FUSE_DEFAULT_MAX_BACKGROUND
 
     @property
     def hold(self) -> bool:

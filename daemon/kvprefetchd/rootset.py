@@ -72,6 +72,7 @@ class RootState:
     path: str
     residency: str  # as configured: auto, tier, pagecache, off
     extent: str = "auto"  # warm_extent as configured: auto, head, whole
+    workers: int = 1  # the workers a FUSE mount's max_background is shared by
     fd: int = -1
     rule: RootRule | None = None  # known once open
     status: str = "opening"  # one of kvprefetch.stats.ROOT_STATUSES
@@ -90,7 +91,8 @@ class RootState:
     def tier(self) -> RootTier:
         if self.rule is None:
             return RootTier()
-        return RootTier(self.rule.keep, self.rule.whole, self.rule.fs_cache, self.rule.hold)
+        return RootTier(self.rule.keep, self.rule.whole, self.rule.fs_cache, self.rule.hold,
+                        -(-self.rule.fuse_depth // self.workers) if self.rule.fuse_depth else 0)
 
     @property
     def futile(self) -> bool:
@@ -160,7 +162,7 @@ class RootSet:
         self.on_change = on_change
         self.checks = config.root_path_checks
         self.states = [RootState(index, root, config.residency_for(root),
-                                 config.warm_extent_for(root))
+                                 config.warm_extent_for(root), config.worker_count)
                        for index, root in enumerate(config.roots)]
         self.mounts: MountWatch | None = None
         self.mount_changes = 0

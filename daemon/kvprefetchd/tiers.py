@@ -36,6 +36,10 @@ KEEPS = ("pagecache", "hold", "fs_cache", "probe")
 # A read_bytes that covers any file: the queue reads [0, min(st_size, read_bytes)).
 WHOLE_FILE = 1 << 40
 FUSECTL = "/sys/fs/fuse/connections"
+# The kernel's default max_background for a FUSE connection (fs/fuse/inode.c,
+# FUSE_DEFAULT_MAX_BACKGROUND): background reads in flight on one mount, whatever the
+# warmer does, unless the file system raises it.
+FUSE_DEFAULT_MAX_BACKGROUND = 12
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ class Worker:
         self.prober = Prober(self.native, self.root_fds, self.rules)
         self.inspector = Inspector(self.native)
         self.keeping = Keeping(self.native, plan.holds, self.inspector)
+        self.depth_hinted: set[tuple[int, int]] = set()  # (queue engine, root fd) given
         self.holds = self.keeping.holds
         if self.holds.fileno() >= 0:
             self.poller.register(self.holds.fileno(), select.POLLIN)
@@ -185,7 +186,8 @@ class Worker:
                                          budget_bytes=plan.dedup_bytes)
         self.root_fds[index], self.rules[index] = fd, message.rule
         self.tiers[index] = RootTier(message.keep, message.whole, message.fs_cache,
-                                     message.hold)
+                                     message.hold, message.depth)
+        self.depth_hinted.clear()
         self.keeping.verdicts.forget(index)
         self.prober.set_root(index, fd, message.rule)
 
@@ -360,12 +362,22 @@ class Worker:
 
     def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
         """Give the engine what waits for it: all of it (a queue) or one batch."""
+        if isinstance(engine, QueueEngine):
+            self.hint_depths(engine)
         if self.faults is not None:
             self.faults.apply([item.relative for item in pending])
         engine.take(pending)
         self.counters["batches"] += 1
         if mode != self.plan.warm_mode:
             self.counters["batches_other_mode"] += 1
+
+    def hint_depths(self, engine: QueueEngine) -> None:
+        """Start each FUSE root at its share of the mount's max_background (RootTier.depth)
+        in this queue, once per queue and root directory."""
+        for fd, tier in zip(self.root_fds, self.tiers, strict=True):
+            if tier.depth and fd >= 0 and (id(engine), fd) not in self.depth_hinted:
+                engine.root_depth(fd, tier.depth)
+                self.depth_hinted.add((id(engine), fd))
 
     def engine_for(self, warm_mode: str) -> Engine:
         engine = self.engines.for_mode(warm_mode)

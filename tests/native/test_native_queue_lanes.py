@@ -160,3 +160,20 @@ def test_names_waiting_in_the_lane_still_expire_and_time_out(
     assert stats["mount_threads"] == 1 and stats["mount_running"] == 1, stats
     hung_beneath.release()
     lanes.wait_for("free", lambda s: s["mount_running"] == 0)
+
+
+def test_a_root_starts_at_the_depth_given_it(
+        tmp_path: Path) -> None:
+    queue = new_queue(False, initial_depth=16, max_threads=64)
+    hinted = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    plain = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        lib.kvp_queue_root_depth(queue, hinted, 6)  # a FUSE mount's share of max_background
+        lib.kvp_queue_root_depth(queue, plain, 0)  # 0: left as configured, not even made
+        stats = ffi.new("struct kvp_queue_stats *")
+        lib.kvp_queue_stats(queue, stats)
+        depths = {stats.root_fd[i]: stats.root_depth[i] for i in range(stats.nroots)}
+        assert depths == {hinted: 6}
+    finally:
+        os.close(hinted)
+        os.close(plain)

@@ -115,3 +115,15 @@ def test_the_docs_table_says_what_each_profile_says() -> None:
         cells = rows[profile.fstype]
         assert cells[3:7] == [f"`{profile.extent}`", f"`{profile.residency}`",
                               f"`{profile.keep}`", "yes" if profile.hold else "no"], cells
+
+
+def test_a_fuse_root_starts_each_worker_at_its_share_of_max_background() -> None:
+    from kvprefetchd.rootset import RootState
+
+    fuse = rule_of("/mnt/s3", "fuse.s3fs", "auto", facts=MountFacts(max_background=12))
+    assert fuse.fuse_depth == 12
+    assert RootState(0, "/mnt/s3", "auto", workers=2, rule=fuse).tier.depth == 6
+    unknown = rule_of("/mnt/x", "fuse.other", "auto")  # fusectl not mounted: the default
+    assert RootState(0, "/mnt/x", "auto", workers=5, rule=unknown).tier.depth == 3
+    local = rule_of("/kv", "ext4", "auto")
+    assert RootState(0, "/kv", "auto", workers=2, rule=local).tier.depth == 0

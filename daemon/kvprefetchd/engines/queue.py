@@ -113,6 +113,10 @@ class QueueEngine(NativeEngine):
             if n < REAP_AT_ONCE:
                 return done
 
+    def root_depth(self, root_fd: int, initial: int) -> None:
+        """The reads in flight root_fd starts from (native kvp_queue_root_depth)."""
+        self._native.lib.kvp_queue_root_depth(self._queue, root_fd, initial)
+
     def tick(self) -> None:
         self._native.lib.kvp_queue_tick(self._queue)
 
