@@ -7,7 +7,7 @@ by reopening (reopen.py). The worker asks three things of it:
 - `judged`: a file just read: `read`, or `futile` where the consumer will not find it;
 - `known_state`: what `check` says of a file without an open where an open would undo a
   warm-up (a held file, a disk-cached copy, a futile root);
-- `skip`: whether a file needs no read (held, or in the disk cache) or no fetch at all (a
+- `skip`: whether a file needs no read (held, or in the disk cache) or a lookup only (a
   futile root: nothing read there would reach the consumer).
 """
 

@@ -9,7 +9,7 @@ reads. s3fs and rclone mounted over a local S3 endpoint behind a delay proxy
 - rclone without a VFS cache keeps nothing for the next open: the daemon finds out by
   reopening a warmed file (reopen.py); no file is `read`, every one is `futile` with reason
   `not_kept`, `check` agrees, stats and metrics flag the root, and `doctor` says why and
-  names the fix. Once the verdict is in, no fetch is spent on the root.
+  names the fix. Once the verdict is in, no data is fetched there (a lookup only).
 - rclone with `--vfs-cache-mode full` keeps what was read in its disk cache: `check` looks
   there (a stat, no open on the mount) and a second warm-up is answered `resident`.
 """
