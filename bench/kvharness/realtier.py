@@ -48,6 +48,8 @@ from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
+from kvharness.relay import relay
+
 REQUIRE_ENV = "KVPREFETCH_REQUIRE_REALTIER"
 ROOT = Path(__file__).resolve().parents[2]
 NODE_PREFIX = ROOT / ".venv" / "node"  # ./dev: npm install --prefix .venv/node s3rver
@@ -371,53 +373,11 @@ class _Relay:
             value = struct.unpack_from("q", self.counters, offset)[0]
             struct.pack_into("q", self.counters, offset, value + 1)
 
-    def _pump(self, source: socket.socket, sink: socket.socket,
-              counter: RequestCounter | None) -> None:
-        pending: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
-
-        def deliver() -> None:
-            while True:
-                due, data = pending.get()
-                if not data:
-                    break
-                if (wait := due - time.monotonic()) > 0:
-                    time.sleep(wait)
-                try:
-                    sink.sendall(data)
-                except OSError:
-                    break
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
-
-        writer = threading.Thread(target=deliver, daemon=True)
-        writer.start()
-        try:
-            while data := source.recv(1 << 18):
-                if counter is not None:
-                    counter.feed(data)
-                pending.put((time.monotonic() + self.delay, data))
-        except OSError:
-            pass
-        pending.put((0.0, b""))
-        writer.join()
-
     def _relay(self, client: socket.socket) -> None:
         with self._lock:  # connections round-robin over the endpoint's processes
             to = self.to[self._next % len(self.to)]
             self._next += 1
-        try:
-            upstream = socket.create_connection(to)
-        except OSError:
-            client.close()
-            return
-        for sock in (client, upstream):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        back = threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True)
-        back.start()
-        self._pump(client, upstream, RequestCounter(self._count))
-        back.join()
-        client.close()
-        upstream.close()
+        relay(client, to, self.delay, RequestCounter(self._count).feed)
 
 
 def serve_proxy(argv: Sequence[str]) -> None:

@@ -19,9 +19,13 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
-def pump(source: socket.socket, sink: socket.socket, delay: float) -> None:
+def pump(source: socket.socket, sink: socket.socket, delay: float,
+         seen: Callable[[bytes], None] | None = None) -> None:
+    """Copy source to sink, each chunk `delay` seconds late; `seen` is shown every chunk
+    as read (a proxy that counts the requests crossing it: realtier.py)."""
     pending: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
 
     def deliver() -> None:
@@ -42,7 +46,9 @@ def pump(source: socket.socket, sink: socket.socket, delay: float) -> None:
     writer = threading.Thread(target=deliver, daemon=True)
     writer.start()
     try:
-        while data := source.recv(1 << 16):
+        while data := source.recv(1 << 18):
+            if seen is not None:
+                seen(data)
             pending.put((time.monotonic() + delay, data))
     except OSError:
         pass
@@ -50,7 +56,9 @@ def pump(source: socket.socket, sink: socket.socket, delay: float) -> None:
     writer.join()
 
 
-def relay(client: socket.socket, to: tuple[str, int], delay: float) -> None:
+def relay(client: socket.socket, to: tuple[str, int], delay: float,
+          requests: Callable[[bytes], None] | None = None) -> None:
+    """One connection each way through the delay; `requests` sees what the client sends."""
     try:
         upstream = socket.create_connection(to)
     except OSError:
@@ -60,7 +68,7 @@ def relay(client: socket.socket, to: tuple[str, int], delay: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     back = threading.Thread(target=pump, args=(upstream, client, delay), daemon=True)
     back.start()
-    pump(client, upstream, delay)
+    pump(client, upstream, delay, requests)
     back.join()
     client.close()
     upstream.close()
