@@ -34,7 +34,7 @@ from kvprefetch.progress import LINES_EVERY_S, Progress
 from kvprefetch.protocol import DEFAULT_SOCKET, Outcome
 from kvprefetch.results import Failure, FileState
 from kvprefetch.stats import Stats
-from kvprefetch.statsview import summarize_stats
+from kvprefetch.statsview import size_text, summarize_stats
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -344,7 +344,7 @@ def _print_failure(failure: Failure) -> None:
 
 def _print_file_state(state: FileState) -> None:
     percent = 100.0 * state.resident_bytes / state.size if state.size else 100.0
-    print(f"{state.state}\t{_size(state.resident_bytes)}/{_size(state.size)}\t"
+    print(f"{state.state}\t{size_text(state.resident_bytes)}/{size_text(state.size)}\t"
           f"{percent:5.1f}%\t{_text(state.path)}")
 
 
@@ -387,7 +387,7 @@ def _describe_tally(tally: Tally, args: argparse.Namespace) -> str:
                   + [f"{name} {states[name]:,}" for name in
                      ("cold", "missing", "rejected", "failed", "expired", "futile")
                      if states.get(name)]),
-        f"resident bytes: {_size(tally.resident_bytes)} of {_size(tally.size_bytes)} "
+        f"resident bytes: {size_text(tally.resident_bytes)} of {size_text(tally.size_bytes)} "
         f"({_percent(tally.resident_bytes, tally.size_bytes)}) in {elapsed:.2f} s",
     ]
     if args.op == "evict":
@@ -397,14 +397,6 @@ def _describe_tally(tally: Tally, args: argparse.Namespace) -> str:
 
 def _percent(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _describe_warm(out: dict[str, Any], args: argparse.Namespace) -> str:

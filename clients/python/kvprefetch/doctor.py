@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvprefetch.diagnosis import DoctorReport, DoctorRoot
 from kvprefetch.errors import ServerError
+from kvprefetch.statsview import size_text
 
 if TYPE_CHECKING:
     from kvprefetch.client import Client
@@ -368,7 +369,7 @@ def _render_probe(root: dict[str, Any]) -> list[str]:
              f"{probe['outcome']}" + (f" ({probe['reason']})" if probe.get("reason") else "")
              + f"; check right after: {probe['check']}"]
     if "consumer_ms" in probe:
-        lines.append(f"    consumer read (this process): {_size(probe['consumer_bytes'])} in "
+        lines.append(f"    consumer read (this process): {size_text(probe['consumer_bytes'])} in "
                      f"{probe['consumer_ms']:.1f} ms")
     else:
         lines.append(f"    consumer read (this process): {probe.get('consumer_error')}")
@@ -390,16 +391,8 @@ def _render_host(host: dict[str, Any]) -> str:
              f"fusectl {'mounted' if host.get('fusectl') else 'not mounted'}"]
     if hold:
         parts.append(f"hold-open budget {hold.get('seconds')} s, {hold.get('max_files')} "
-                     f"files, {_size(hold.get('max_bytes', 0))}")
+                     f"files, {size_text(hold.get('max_bytes', 0))}")
     return "host: " + "; ".join(parts)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _ms(seconds: float) -> float:

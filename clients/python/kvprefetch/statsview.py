@@ -29,7 +29,8 @@ def quantile(histogram: HistogramSnapshot, q: float) -> str:
     return f">{lower * 1000:.0f}"
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """Bytes for a person: B, KiB ... TiB (the CLI's, the stats screen's and doctor's)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -49,7 +50,7 @@ def summarize_stats(stats: Stats) -> str:
         f"files: accepted {files['accepted']:,}, dropped {files['dropped']:,}, rejected "
         f"{files['rejected_by_supervisor']:,}; "
         + ", ".join(f"{name} {counts_by_name.get(name, 0):,}" for name in OUTCOME_ORDER)
-        + f"; in flight {files['in_flight']:,}; {_size(stats['bytes_read'])} read"
+        + f"; in flight {files['in_flight']:,}; {size_text(stats['bytes_read'])} read"
     )
     lines.append("requests    count   errors  ack p50 ms  ack p99 ms")
     acks = stats["latency"]["ack_seconds"]
@@ -73,7 +74,7 @@ def summarize_stats(stats: Stats) -> str:
         lines.append(
             f"  {worker['index']} {worker['pid']} {worker['queue_depth']:,}/"
             f"{worker['queue_limit']:,} {worker['restarts']} "
-            f"{_size(rss) if rss is not None else '-'}"
+            f"{size_text(rss) if rss is not None else '-'}"
             + ("" if worker["ready"] else " (starting)")
         )
     lines.append("roots:")
