@@ -22,7 +22,7 @@ import pytest
 
 from kvharness import realtier
 from kvharness.daemon import Daemon
-from kvharness.pagecache import drops
+from kvharness.pagecache import drops, warmth
 from kvharness.wire import RawConnection
 
 FILES = 20
@@ -79,10 +79,19 @@ def warm(daemon: Daemon, paths: list[str]) -> dict[str, Any]:
     return reply
 
 
-def consume(paths: list[str]) -> None:
+def consume(paths: list[str], *, count_reclaimed: bool = False) -> int:
+    """Read every file whole; with count_reclaimed, first look at each file's pages
+    (cachestat and mincore, through an open that keeps them on a kernel_cache mount) and
+    return how many files the host's reclaimer had already taken pages of: the consumer
+    may fetch those again, which says nothing about the warm-up."""
+    reclaimed = 0
     for path in paths:
+        if count_reclaimed:
+            head = warmth(path, SIZE)
+            reclaimed += head.resident < head.wanted
         with open(path, "rb", buffering=0) as handle:
             assert len(handle.read(SIZE)) == SIZE
+    return reclaimed
 
 
 def test_a_warm_with_wait_answers_for_every_file(tier: realtier.Mount,
@@ -116,11 +125,15 @@ def test_a_consumer_after_the_warm_up_sends_no_get(
         assert fetched["GET"] >= FILES, fetched  # the warm-up went to the endpoint...
         daemon.stop()  # ...and whatever the daemon holds is gone before the consumer opens
         after_warm = proxy.counts()
-        consume(paths)
+        # s3fs kernel_cache keeps the warm-up in the page cache, which the host's
+        # reclaimer (DAMON here) thins out within seconds: a file it took pages of may be
+        # fetched again. rclone's near tier is its disk cache, which no reclaimer touches.
+        reclaimed = consume(paths, count_reclaimed=tier.kind == "s3fs")
         consumer = realtier.requests_between(after_warm, proxy.counts())
-        if drops() == dropped:  # pragma: no branch - a shared machine's drop_caches
+        if drops() == dropped and reclaimed <= FILES // 4:  # pragma: no branch
             break
-    assert consumer["GET"] == 0, consumer  # ...and the consumer found it
+    assert reclaimed <= FILES // 4, f"the host took pages of {reclaimed} of {FILES} files"
+    assert consumer["GET"] <= reclaimed, (consumer, reclaimed)  # ...and the consumer found it
 
 
 def test_the_proxy_counts_requests_by_kind_across_reads_and_bodies() -> None:
