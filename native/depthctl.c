@@ -18,6 +18,20 @@
  * last.  A window whose reads never filled half the depth, or with no file
  * waiting, says nothing about more depth (the root was not the limit): the
  * depth stays.
+ *
+ * A ramp from 16 costs a slow tier's first burst several round trips: 64 files
+ * on a 100 ms tier took 225 ms right after start, 130 ms once the depth had
+ * climbed (issue 25).  So a root whose tier profile says its reads wait on a
+ * remote fetch starts at the depth the profile gives (kvp_depth_trust: a FUSE
+ * mount's max_background, a network file system's full depth) and pays no ramp.
+ * Nothing measured that depth, so its first informative window checks it with
+ * Little's law: the reads the tier actually served at once are the window's
+ * files per second times the fastest fetch's time (the tier's own latency, no
+ * queueing in it; reads under FETCH_MIN_NS were cache hits and say nothing of
+ * it).  Where the window's mean read took more than QUEUED times that, reads
+ * were queueing inside the file system, where no request can overtake another
+ * (schedule.c), and the depth comes down to what was served, plus headroom.
+ * Jitter alone keeps the mean well under QUEUED times the fastest.
  */
 #include "queue.h"
 
@@ -30,10 +44,33 @@
 #define MIN_DEPTH 2.0
 #define STALL_MIN_NS 2000000000  /* a read is stalled after 2 s at least ... */
 #define STALL_FACTOR 20          /* ... or 20 times the root's service time */
+#define FETCH_MIN_NS 1000000     /* a read faster than 1 ms was a cache hit, not a fetch */
+#define QUEUED 2.0               /* mean over fastest fetch: reads queued in the tier */
 
 void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max)
 {
     *d = (struct kvp_depth){ .limit = initial, .max = max, .slow_start = 1 };
+}
+
+void kvp_depth_trust(struct kvp_depth *d, uint32_t initial, uint32_t max)
+{
+    kvp_depth_init(d, initial, max);
+    d->trusted = 1;
+}
+
+/* A trusted start's first full window: down to what the tier served at once,
+ * when reads queued inside it. */
+static void check_trusted(struct kvp_depth *d, double rate, int64_t mean)
+{
+    d->trusted = 0;
+    double served = rate * (double)d->window_min_ns / 1e9;
+    if (d->window_min_ns > 0 && (double)mean > QUEUED * (double)d->window_min_ns
+        && served * HEADROOM < d->limit) {
+        d->limit = served * HEADROOM;
+        d->slow_start = 0;
+        d->best_rate = rate;
+        d->best_depth = d->limit;
+    }
 }
 
 uint32_t kvp_depth_limit(const struct kvp_depth *d)
@@ -74,7 +111,9 @@ static void close_window(struct kvp_depth *d, int64_t now)
         d->history_n++;
     d->rtt_ns = mean;
     d->best_rate *= FORGET;
-    if (informative) {
+    if (informative && d->trusted) {
+        check_trusted(d, rate, mean);
+    } else if (informative) {
         if (rate > d->best_rate * GAIN || base == 0 || mean <= base * RISE_TOLERANCE) {
             if (rate > d->best_rate) {
                 d->best_rate = rate;
@@ -95,6 +134,7 @@ static void close_window(struct kvp_depth *d, int64_t now)
     d->window_n = d->window_sum_ns = 0;
     d->window_peak = 0;
     d->window_backlog = 0;
+    d->window_min_ns = 0;
 }
 
 void kvp_depth_sample(struct kvp_depth *d, int64_t service_ns, uint32_t in_flight, int backlog,
@@ -106,6 +146,8 @@ void kvp_depth_sample(struct kvp_depth *d, int64_t service_ns, uint32_t in_fligh
         d->window_start = now - service_ns;
     d->window_n++;
     d->window_sum_ns += (uint64_t)(service_ns > 0 ? service_ns : 0);
+    if (service_ns >= FETCH_MIN_NS && (d->window_min_ns == 0 || service_ns < d->window_min_ns))
+        d->window_min_ns = service_ns;
     if (in_flight > d->window_peak)
         d->window_peak = in_flight;
     d->window_backlog |= backlog;

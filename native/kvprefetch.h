@@ -48,6 +48,12 @@ struct kvp_item {
     int64_t deadline_ns;  /* in: CLOCK_MONOTONIC ns; past it, the read is not issued
                              (EXPIRED, err 0); 0: no deadline */
     int32_t flags;        /* in: KVP_ITEM_* */
+    /* in, the queue engines only (native/schedule.c): which request the file came
+     * with (a later group is a newer request, served first among files without a
+     * deadline; 0: none, first come first served) and who asked (clients waiting on
+     * one root take turns). */
+    uint32_t group;
+    uint32_t client;
 };
 
 /* Item flags.  KVP_ITEM_NOATIME: read through an O_NOATIME fd where the kernel
@@ -174,10 +180,12 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
 /* Move up to max settled files into out; returns how many. */
 size_t kvp_queue_reap(struct kvp_queue *q, struct kvp_done *out, size_t max);
 void kvp_queue_tick(struct kvp_queue *q);
-/* The reads in flight a root starts from, instead of cfg.initial_depth (its depth then
- * follows the file system as any root's does): a FUSE mount's share of its connection's
- * max_background, past which reads only wait in the kernel.  Applied while the root has
- * nothing pending or running; 0 leaves it as it is. */
+/* The reads in flight a root starts from, instead of cfg.initial_depth, trusted from its
+ * tier profile so that a slow tier's first burst pays no ramp (depthctl.c; its depth
+ * then follows the file system as any root's does): a FUSE mount's share of its
+ * connection's max_background, past which reads only wait in the kernel, or a network
+ * file system's start.  Applied while the root has nothing pending or running; 0 leaves
+ * it as it is. */
 void kvp_queue_root_depth(struct kvp_queue *q, int root_fd, uint32_t initial);
 void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out);
 

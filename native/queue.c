@@ -8,7 +8,9 @@
  * fixed 16 threads per worker left a tier with room for hundreds of fetches
  * idle (issue 13: 12.9 s where a 256-thread pool took 1.9 s); on a local disk,
  * hundreds of threads only queue behind the device.  So each root gets its own
- * depth, moved by depthctl.c from the service time of its reads.
+ * depth, moved by depthctl.c from the service time of its reads; which of a
+ * root's waiting files starts next is schedule.c's choice (clients in turn, the
+ * deadlines that can still be met, then the newest request).
  *
  * A root that hangs (a dead tier) keeps the threads it holds, but those reads
  * stop counting against its depth once they have been running longer than the
@@ -64,32 +66,9 @@
 static void *thread_main(void *arg);
 static void *lane_main(void *arg);
 
-/* ---- lists: pending per root and in the lane (FIFO), running, done ---------- */
-static void push(struct qlist *l, struct qitem *it)
-{
-    it->next = NULL;
-    it->prev = l->tail;
-    if (l->tail)
-        l->tail->next = it;
-    else
-        l->head = it;
-    l->tail = it;
-    l->n++;
-}
-
-static void unlink_item(struct qlist *l, struct qitem *it)
-{
-    if (it->prev)
-        it->prev->next = it->next;
-    else
-        l->head = it->next;
-    if (it->next)
-        it->next->prev = it->prev;
-    else
-        l->tail = it->prev;
-    it->next = it->prev = NULL;
-    l->n--;
-}
+/* ---- lists (schedule.c): pending per root and in the lane, running, done ---- */
+#define push kvp_list_push
+#define unlink_item kvp_list_unlink
 
 /* The completion list went from empty to not: wake the reaper's poll. */
 static void done_push(struct kvp_queue *q, struct qitem *it)
@@ -121,7 +100,7 @@ static struct qroot *root_of(struct kvp_queue *q, int fd)
 /* May the root start another read?  Stalled reads hold threads, not depth. */
 static int root_ready(const struct qroot *r)
 {
-    return r->pending.n > 0 && r->running - r->stalled < kvp_depth_limit(&r->depth);
+    return r->npending > 0 && r->running - r->stalled < kvp_depth_limit(&r->depth);
 }
 
 /* The next file to start, taking the roots in turn; NULL when none may start. */
@@ -131,9 +110,7 @@ static struct qitem *next_item(struct kvp_queue *q)
         struct qroot *r = &q->roots[(q->turn + k) % q->nroots];
         if (root_ready(r)) {
             q->turn = (q->turn + k + 1) % q->nroots;
-            struct qitem *it = r->pending.head;
-            unlink_item(&r->pending, it);
-            return it;
+            return kvp_sched_take(r, now_ns());
         }
     }
     return NULL;
@@ -147,10 +124,19 @@ static int work_waiting(const struct kvp_queue *q)
     return 0;
 }
 
-/* The list a pending file waits on: its root's, or the other-mount lane's. */
-static struct qlist *pending_of(struct kvp_queue *q, const struct qitem *qi)
+/* Files wait beside this one: on its root, or in the other-mount lane. */
+static int backlog_of(const struct kvp_queue *q, const struct qitem *qi)
 {
-    return qi->other_mount ? &q->lane.pending : &q->roots[qi->root].pending;
+    return qi->other_mount ? q->lane.pending.n > 0 : q->roots[qi->root].npending > 0;
+}
+
+/* A pending file off its list: its root's (schedule.c), or the lane's. */
+static void unpend(struct kvp_queue *q, struct qitem *qi)
+{
+    if (qi->other_mount)
+        unlink_item(&q->lane.pending, qi);
+    else
+        kvp_sched_unlink(&q->roots[qi->root], qi);
 }
 
 /* ---- the other-mount lane ---------------------------------------------------- */
@@ -335,7 +321,7 @@ static void serve(struct kvp_queue *q, int lane)
          * a missing file costs microseconds whatever the depth. */
         if (qi->it.outcome == KVP_OUT_READ && qi->it.done > 0)
             kvp_depth_sample(depth, finished - qi->started, *running - (lane ? 0 : *stalled) + 1,
-                             pending_of(q, qi)->n > 0, finished);
+                             backlog_of(q, qi), finished);
         if (qi->abandoned) {
             if (qi->held_fd >= 0)
                 close(qi->held_fd);
@@ -396,10 +382,13 @@ void kvp_queue_free(struct kvp_queue *q)
         free(it);
     }
     for (uint32_t i = 0; i < q->nroots; i++)
-        while (q->roots[i].pending.head) {
-            struct qitem *it = q->roots[i].pending.head;
-            unlink_item(&q->roots[i].pending, it);
-            free(it);
+        for (uint32_t c = 0; c < q->roots[i].nclients; c++) {
+            struct qlist *l = &q->roots[i].clients[c].pending;
+            while (l->head) {
+                struct qitem *it = l->head;
+                unlink_item(l, it);
+                free(it);
+            }
         }
     while (q->lane.pending.head) {
         struct qitem *it = q->lane.pending.head;
@@ -494,7 +483,7 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
         struct qroot *r = root_of(q, items[i].root_fd);
         qi->root = (uint16_t)(r - q->roots);
         q->deadlines += qi->it.deadline_ns > 0;
-        push(&r->pending, qi);
+        kvp_sched_push(r, qi);
     }
     q->submitted += n;
     maybe_spawn(q);
@@ -540,7 +529,7 @@ static void expire(struct kvp_queue *q, struct qitem *qi, int running)
         copy->tag = qi->tag;
         qi->abandoned = 1;
     } else {
-        unlink_item(pending_of(q, qi), qi);
+        unpend(q, qi);
         q->deadlines -= qi->it.deadline_ns > 0;
     }
     copy->it.outcome = KVP_OUT_FAILED;
@@ -552,15 +541,15 @@ static void expire(struct kvp_queue *q, struct qitem *qi, int running)
 /* A pending file past its deadline: off its list, settled EXPIRED, unread. */
 static void settle_expired(struct kvp_queue *q, struct qitem *qi)
 {
-    unlink_item(pending_of(q, qi), qi);
+    unpend(q, qi);
     settle(&qi->it, KVP_OUT_EXPIRED, 0);
     q->deadlines--;
     done_push(q, qi);
 }
 
-/* Every pending file of list l past the deadline or file_timeout settled; the
- * oldest first (FIFO), so a root's list stops at its first young file. */
-static void sweep(struct kvp_queue *q, struct qlist *l, int64_t t, int ordered)
+/* Every pending file of list l past the deadline or file_timeout settled.  Not
+ * in submission order (schedule.c), so the whole list is looked at, once a tick. */
+static void sweep(struct kvp_queue *q, struct qlist *l, int64_t t)
 {
     struct qitem *qi = l->head, *next;
     for (; qi; qi = next) {
@@ -569,8 +558,6 @@ static void sweep(struct kvp_queue *q, struct qlist *l, int64_t t, int ordered)
             expire(q, qi, 0);
         else if (qi->it.deadline_ns > 0 && t > qi->it.deadline_ns)
             settle_expired(q, qi);
-        else if (ordered && !q->deadlines)
-            break;  /* none younger is late: submission order */
     }
 }
 
@@ -580,8 +567,8 @@ void kvp_queue_root_depth(struct kvp_queue *q, int root_fd, uint32_t initial)
         return;
     pthread_mutex_lock(&q->mu);
     struct qroot *r = root_of(q, root_fd);
-    if (r->fd == root_fd && r->running == 0 && r->pending.n == 0)
-        kvp_depth_init(&r->depth, MIN(initial, q->cfg.max_threads), q->cfg.max_threads);
+    if (r->fd == root_fd && r->running == 0 && r->npending == 0)
+        kvp_depth_trust(&r->depth, MIN(initial, q->cfg.max_threads), q->cfg.max_threads);
     pthread_mutex_unlock(&q->mu);
 }
 
@@ -612,8 +599,9 @@ void kvp_queue_tick(struct kvp_queue *q)
      * fetch slot.  The lane's FIFO is in hand-over order, not submission's. */
     if (q->cfg.timeout_ns || q->deadlines) {
         for (uint32_t i = 0; i < q->nroots; i++)
-            sweep(q, &q->roots[i].pending, t, 1);
-        sweep(q, &l->pending, t, 0);
+            for (uint32_t c = 0; c < q->roots[i].nclients; c++)
+                sweep(q, &q->roots[i].clients[c].pending, t);
+        sweep(q, &l->pending, t);
     }
     /* A stuck lane answers what waits for it now, not at file_timeout. */
     if (lane_stuck(l))
@@ -656,7 +644,7 @@ void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
     out->mount_stalls = q->lane.stalls;
     for (uint32_t i = 0; i < q->nroots; i++) {
         const struct qroot *r = &q->roots[i];
-        out->pending += r->pending.n;
+        out->pending += r->npending;
         out->running += r->running;
         out->stalled += r->stalled;
         if (i < KVP_QUEUE_STATS_ROOTS) {

@@ -10,6 +10,7 @@
 #include <pthread.h>
 
 #define KVP_QUEUE_MAX_ROOTS 64  /* roots tracked apart; more share the last slot */
+#define KVP_QUEUE_MAX_CLIENTS 8 /* clients a root keeps apart; more share the last slot */
 
 #pragma GCC visibility push(hidden)
 
@@ -29,9 +30,14 @@ struct kvp_depth {
     int64_t rtt_ns;        /* the last window's mean service time */
     double best_rate;      /* the most reads per second a window has seen (decaying) */
     double best_depth;     /* the depth that window ran at */
+    int64_t window_min_ns; /* the window's fastest read: the tier's own latency */
+    int trusted;           /* started at a depth the root's profile gave, not measured */
 };
 
 void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max);
+/* Start at a depth the root's tier profile trusts (a remote tier: no ramp); its
+ * first full window brings it down to what the tier served (Little's law). */
+void kvp_depth_trust(struct kvp_depth *d, uint32_t initial, uint32_t max);
 uint32_t kvp_depth_limit(const struct kvp_depth *d);
 /* One read finished after service_ns, with in_flight reads (itself included)
  * running and files waiting (backlog) when it ended. */
@@ -52,6 +58,7 @@ struct qitem {
     uint8_t stalled;         /* counted in its lane's stalled reads */
     uint8_t abandoned;       /* settled by timeout; its thread frees it */
     uint8_t other_mount;     /* behind another mount beneath its root: the other-mount lane's */
+    uint8_t client;          /* its client's slot in its root (schedule.c) */
     int held_fd;             /* KVP_ITEM_HOLD: the fd a READ kept open for the reaper, else -1 */
     struct qitem *next, *prev;
     char rel[];
@@ -62,9 +69,22 @@ struct qlist {
     uint32_t n;
 };
 
+/* One client's files waiting on one root, in the order schedule.c serves them:
+ * those with a deadline, earliest first; then the others, newest request first and
+ * each request's files in their own order (group 0: at the end, as they came). */
+struct qclient {
+    uint32_t id;             /* kvp_item.client */
+    struct qlist pending;
+    struct qitem *last_timed;  /* the last file with a deadline (NULL: none waits) */
+    struct qitem *newest;    /* the last file of the newest group (NULL: none waits) */
+    uint32_t group;          /* that group */
+};
+
 struct qroot {
     int fd;                  /* the root's fd, as items name it */
-    struct qlist pending;    /* FIFO: waiting for a thread and depth */
+    struct qclient clients[KVP_QUEUE_MAX_CLIENTS];
+    uint32_t nclients, turn; /* clients seen; the one whose turn is next */
+    uint32_t npending;       /* files waiting for a thread and depth, all clients */
     uint32_t running, stalled;
     struct kvp_depth depth;
 };
@@ -100,6 +120,14 @@ struct kvp_queue {
     char *scratch;
     size_t scratch_len;
 };
+
+/* ---- schedule.c: which waiting file of a root goes next ----------------------- */
+void kvp_list_push(struct qlist *l, struct qitem *it);
+void kvp_list_unlink(struct qlist *l, struct qitem *it);
+void kvp_sched_push(struct qroot *r, struct qitem *qi);
+void kvp_sched_unlink(struct qroot *r, struct qitem *qi);
+/* The next file of r to start at `now` (r->npending > 0), off its list. */
+struct qitem *kvp_sched_take(struct qroot *r, int64_t now);
 
 #pragma GCC visibility pop
 

@@ -32,6 +32,10 @@ class ReplySink(Protocol):
 
     def send(self, message: dict[str, Any]) -> None: ...
 
+    @property
+    def client(self) -> int:
+        """Who sent the request, as the queue engines tell clients apart."""
+
 
 @dataclass(slots=True, eq=False)
 class Waiter:

@@ -54,7 +54,9 @@ class Warm:
     The files are a request's share (admit.Share): `roots` (uint16 per file, native
     order) and `paths` (relative names, each ended by NUL). `share` is its id in the
     books (file i's ticket is books.ticket_of(share, i)); 0: fire and forget, whose
-    outcomes are reported as counts."""
+    outcomes are reported as counts. `client` is who sent the request (the supervisor's
+    number for its peer): the queue engines let clients take turns on a root
+    (native/schedule.c)."""
 
     KIND: ClassVar[str] = "warm"
     read_bytes: int
@@ -64,6 +66,7 @@ class Warm:
     paths: bytes
     deadline: float = 0.0
     flags: int = 0
+    client: int = 0
 
 
 # Warm modes that read nothing: the check and evict verbs, run by kvp_inspect.
@@ -100,8 +103,10 @@ class RootTier:
     whole: bool = False
     fs_cache: str = ""
     hold: bool = False  # warmed files are held open for their consumer (holds.py)
-    # Reads in flight this worker starts the root at (0: initial_depth): a FUSE mount's
-    # share of max_background, past which reads only queue in the kernel.
+    # Reads in flight this worker starts the root at (0: initial_depth), trusted from its
+    # tier profile (residency.RootRule.start_depth): a FUSE mount's share of
+    # max_background, past which reads only queue in the kernel; a network file system's
+    # share of a deep start.
     depth: int = 0
 
 

@@ -22,6 +22,7 @@ import selectors
 import socket
 import ssl
 import time
+import zlib
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
@@ -142,6 +143,17 @@ class Connection:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    @property
+    def client(self) -> int:
+        """Who this is to the queue engines, which let clients take turns on a root
+        (native/schedule.c): a Unix peer's process id, a TCP peer's address (crc32); 0
+        when unknown. Not an identity: two that collide only share a turn."""
+        if self.peer is not None:
+            return self.peer.pid & 0xFFFFFFFF
+        if self.address is not None:
+            return zlib.crc32(self.address.encode())
+        return 0
 
     def who(self) -> str:
         """The peer, for a log line: uid and pid on the Unix socket, the address and the

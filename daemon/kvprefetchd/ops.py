@@ -277,7 +277,7 @@ class Ops:
             connection.send(reply)
         flags = self.noatime_flag if self.config.preserve_atime else 0
         self.pool.dispatch(admission.shares, waiter, options.read_bytes, warm_mode,
-                           options.deadline, flags)
+                           options.deadline, flags, connection.client)
         if waiter is not None:
             self.follow_up(waiter)
 

@@ -267,9 +267,10 @@ class WorkerPool:
 
     def dispatch(
         self, shares: list[Share | None], waiter: Waiter | None, read_bytes: int,
-        warm_mode: str, deadline: float = 0.0, flags: int = 0,
+        warm_mode: str, deadline: float = 0.0, flags: int = 0, client: int = 0,
     ) -> None:
-        """Book each worker's share of a request and send it."""
+        """Book each worker's share of a request and send it; `client` is who sent it
+        (Connection.client)."""
         self.roots.wanted(shares)  # a root named there that is not open: looked at now
         now = time.monotonic()
         for index, share in enumerate(shares):
@@ -280,7 +281,7 @@ class WorkerPool:
                 handle.heard = now  # its silence counts from now, not from its last report
             share_id = self.books.issue(index, waiter, share)
             self.send(handle, Warm(read_bytes, warm_mode, share_id, share.roots, share.paths,
-                                   deadline, flags))
+                                   deadline, flags, client))
 
     def send(self, handle: WorkerHandle, message: Message) -> None:
         handle.output += encode(message)

@@ -37,6 +37,14 @@ from kvprefetchd.tiers import (
 # size, not what is local, so the tier rule would call every file resident.
 TIERED_FILESYSTEMS = frozenset({"gpfs", "lustre", "fuse.tiersim"})
 
+# File systems whose first read of a file may wait 10-200 ms on a server or a remote
+# tier: their roots start at NETWORK_START_DEPTH reads in flight (all workers together),
+# not at initial_depth, which on a 100 ms tier cost the first burst after a start
+# several round trips of ramp (issue 25).
+NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "ceph",
+                                 "beegfs", "9p"})
+NETWORK_START_DEPTH = 256
+
 
 @dataclass(frozen=True)
 class RootRule:
@@ -56,14 +64,16 @@ class RootRule:
         return self.profile.keep
 
     @property
-    def fuse_depth(self) -> int:
-        """Reads in flight worth having on this root, all workers together: a FUSE
-        connection's max_background (the kernel's default, 12, when fusectl is not
-        mounted to say), past which reads wait in the kernel; 0 on any other file system
-        (the depth controller finds it)."""
-        if not self.fstype.startswith("fuse"):
-            return 0
-        return self.facts.max_background or FUSE_DEFAULT_MAX_BACKGROUND
+    def start_depth(self) -> int:
+        """Reads in flight this root starts at, all workers together, trusted so that a
+        slow tier's first burst pays no ramp (native/depthctl.c checks it against what
+        the tier serves): a FUSE connection's max_background (the kernel's default, 12,
+        when fusectl is not mounted to say), past which reads wait in the kernel; a
+        network file system's NETWORK_START_DEPTH; 0 on a local one (initial_depth, and
+        the depth controller finds the rest: a local read takes microseconds)."""
+        if self.fstype.startswith("fuse"):
+            return self.facts.max_background or FUSE_DEFAULT_MAX_BACKGROUND
+        return NETWORK_START_DEPTH if self.fstype in NETWORK_FILESYSTEMS else 0
 
     @property
     def hold(self) -> bool:

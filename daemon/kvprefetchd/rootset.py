@@ -92,7 +92,7 @@ class RootState:
         if self.rule is None:
             return RootTier()
         return RootTier(self.rule.keep, self.rule.whole, self.rule.fs_cache, self.rule.hold,
-                        -(-self.rule.fuse_depth // self.workers) if self.rule.fuse_depth else 0)
+                        -(-self.rule.start_depth // self.workers))
 
     @property
     def futile(self) -> bool:

@@ -106,6 +106,7 @@ class Worker:
                                      budget_bytes=plan.dedup_bytes)
         self.in_flight = InFlight()
         self.pending: dict[str, deque[WarmItem]] = {plan.warm_mode: deque()}  # per warm mode
+        self.requests = 0  # Warm messages queued: each one's number is its files' group
         self.outcomes: list[list[Any]] = []  # followed files not warmed, by ticket
         self.tallies: dict[tuple[int, str], Tally] = {}  # followed files warmed, per share
         self.anonymous: Counter[str] = Counter()  # outcomes of fire-and-forget files
@@ -282,7 +283,8 @@ class Worker:
     def queue_up(self, message: Warm, files: Files, received: float) -> None:
         """Files the engines must decide: joined to one already out, or queued."""
         read_bytes, deadline, flags = message.read_bytes, message.deadline, message.flags
-        share = message.share
+        share, client = message.share, message.client
+        self.requests = group = self.requests % 0xFFFFFFFF + 1  # newer: later (schedule.c)
         queue = self.pending.get(message.warm_mode)
         if queue is None:
             queue = self.pending[message.warm_mode] = deque()
@@ -309,8 +311,8 @@ class Worker:
                     self.outcome(waiting, skip, 0, errno.ENOENT if skip == "missing" else 0)
                 continue
             queue.append(WarmItem(root_fd, self.rules[root_index], relative, depth, key,
-                                  received, deadline,
-                                  flags | hold if tier.hold else flags))
+                                  received, deadline, flags | hold if tier.hold else flags,
+                                  group, client))
 
     def inspect(self, message: Warm) -> None:
         """check or evict: look at each file (kvp_inspect) and report its state and
@@ -372,8 +374,8 @@ class Worker:
             self.counters["batches_other_mode"] += 1
 
     def hint_depths(self, engine: QueueEngine) -> None:
-        """Start each FUSE root at its share of the mount's max_background (RootTier.depth)
-        in this queue, once per queue and root directory."""
+        """Start each FUSE or network root at the depth its profile trusts (RootTier.depth)
+        in this queue, once per queue and root directory: no ramp on a slow tier."""
         for fd, tier in zip(self.root_fds, self.tiers, strict=True):
             if tier.depth and fd >= 0 and (id(engine), fd) not in self.depth_hinted:
                 engine.root_depth(fd, tier.depth)

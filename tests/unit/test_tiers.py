@@ -121,9 +121,23 @@ def test_a_fuse_root_starts_each_worker_at_its_share_of_max_background() -> None
     from kvprefetchd.rootset import RootState
 
     fuse = rule_of("/mnt/s3", "fuse.s3fs", "auto", facts=MountFacts(max_background=12))
-    assert fuse.fuse_depth == 12
+    assert fuse.start_depth == 12
     assert RootState(0, "/mnt/s3", "auto", workers=2, rule=fuse).tier.depth == 6
     unknown = rule_of("/mnt/x", "fuse.other", "auto")  # fusectl not mounted: the default
     assert RootState(0, "/mnt/x", "auto", workers=5, rule=unknown).tier.depth == 3
     local = rule_of("/kv", "ext4", "auto")
     assert RootState(0, "/kv", "auto", workers=2, rule=local).tier.depth == 0
+
+
+def test_a_network_root_starts_deep_and_a_local_one_at_initial_depth() -> None:
+    """No ramp on a tier whose reads wait on a server (issue 25): its start is trusted
+    from the profile; a local root climbs from initial_depth in microseconds."""
+    from kvprefetchd.residency import NETWORK_START_DEPTH
+    from kvprefetchd.rootset import RootState
+
+    for fstype in ("nfs4", "gpfs", "lustre"):
+        rule = rule_of("/mnt/kv", fstype, "auto")
+        assert rule.start_depth == NETWORK_START_DEPTH
+        assert RootState(0, "/mnt/kv", "auto", workers=2, rule=rule).tier.depth == \
+            NETWORK_START_DEPTH // 2
+    assert rule_of("/kv", "xfs", "auto").start_depth == 0

@@ -57,6 +57,10 @@ class WarmItem:
     received: float = 0.0  # monotonic time the worker got it: per-file latency starts here
     deadline: float = 0.0  # monotonic seconds past which its read is not issued; 0: none
     flags: int = 0  # KVP_ITEM_*
+    # The queue engines' scheduling (native/schedule.c): the request the file came with
+    # (the worker numbers them, a later one is newer; 0: none) and who sent it.
+    group: int = 0
+    client: int = 0
 
 
 @dataclass(slots=True)  # one per file on the hot path: no frozen __setattr__ detour
@@ -210,6 +214,8 @@ def native_batch(ffi: Any, items: list[WarmItem]) -> tuple[Any, Any]:
         if item.deadline:  # time.monotonic() is CLOCK_MONOTONIC
             entry.deadline_ns = deadline_ns(item.deadline)
         entry.flags = item.flags
+        entry.group = item.group
+        entry.client = item.client
         offset += len(item.relative) + 1
     return native, names
 

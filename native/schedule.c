@@ -1,0 +1,178 @@
+/*
+ * schedule.c: which waiting file of a root the queue starts next.
+ *
+ * A router asks for a request's files a few hundred milliseconds before its GPU
+ * reads them; a file warmed after that read is worth little.  First come, first
+ * served made every new request wait behind the whole backlog of older ones,
+ * which at that point are already at their GPU or past their deadline (issue 25).
+ * So, per root:
+ *
+ * - Clients take turns (round robin, one file each): a bulk CLI run of 100,000
+ *   files shares a root's depth with the router instead of taking it.  A client
+ *   is who sent the request (the supervisor's number for a Unix peer's process or
+ *   a TCP peer's address); the first KVP_QUEUE_MAX_CLIENTS a root sees are kept
+ *   apart, later ones share the last slot.
+ * - Within a client, files with a deadline go first, earliest deadline first,
+ *   but only those that can still be read in time: one whose deadline is nearer
+ *   than the root's service time (depthctl.c) would be late however soon it
+ *   started, so the files that can still make it go before it.  Such a file is
+ *   not dropped: its read still shortens the consumer's (the consumer waits on
+ *   the read in flight), so it goes next once no file that can make it waits,
+ *   the latest deadline first.  Past its deadline a file is dropped unread
+ *   (EXPIRED, queue.c's sweep).
+ * - Files without a deadline come last, the newest request first and each
+ *   request's files in their own order: the newest request is the one whose
+ *   consumer is furthest from reading.  Group 0 (a caller that names no request)
+ *   is first come, first served, at the very end.
+ *
+ * Everything here runs under the queue's mutex.  Insertion is O(1) when a
+ * request's files share one deadline (they do: the request's) and deadlines
+ * arrive in order; the pick walks at most SKIP_MAX late files.
+ */
+#include "queue.h"
+
+#define SKIP_MAX 64  /* late files the pick walks past before it takes one anyway */
+
+void kvp_list_push(struct qlist *l, struct qitem *it)
+{
+    it->next = NULL;
+    it->prev = l->tail;
+    if (l->tail)
+        l->tail->next = it;
+    else
+        l->head = it;
+    l->tail = it;
+    l->n++;
+}
+
+/* Put it after `at` (NULL: at the head). */
+static void insert_after(struct qlist *l, struct qitem *at, struct qitem *it)
+{
+    if (!at) {
+        it->prev = NULL;
+        it->next = l->head;
+        if (l->head)
+            l->head->prev = it;
+        else
+            l->tail = it;
+        l->head = it;
+    } else {
+        it->prev = at;
+        it->next = at->next;
+        if (at->next)
+            at->next->prev = it;
+        else
+            l->tail = it;
+        at->next = it;
+    }
+    l->n++;
+}
+
+void kvp_list_unlink(struct qlist *l, struct qitem *it)
+{
+    if (it->prev)
+        it->prev->next = it->next;
+    else
+        l->head = it->next;
+    if (it->next)
+        it->next->prev = it->prev;
+    else
+        l->tail = it->prev;
+    it->next = it->prev = NULL;
+    l->n--;
+}
+
+static struct qclient *client_of(struct qroot *r, uint32_t id)
+{
+    for (uint32_t i = 0; i < r->nclients; i++)
+        if (r->clients[i].id == id)
+            return &r->clients[i];
+    if (r->nclients == KVP_QUEUE_MAX_CLIENTS)
+        return &r->clients[KVP_QUEUE_MAX_CLIENTS - 1];
+    struct qclient *c = &r->clients[r->nclients++];
+    *c = (struct qclient){ .id = id };
+    return c;
+}
+
+static int64_t deadline_of(const struct qitem *qi)
+{
+    return qi->it.deadline_ns;
+}
+
+/* A file with a deadline: after the last one whose deadline is not later. */
+static void push_timed(struct qclient *c, struct qitem *qi)
+{
+    struct qitem *at = c->last_timed;
+    while (at && deadline_of(at) > deadline_of(qi))
+        at = at->prev;
+    insert_after(&c->pending, at, qi);
+    if (at == c->last_timed)
+        c->last_timed = qi;
+}
+
+/* A file without one: its request's files stay in order, a newer request goes
+ * ahead of every older one, group 0 at the end. */
+static void push_untimed(struct qclient *c, struct qitem *qi)
+{
+    uint32_t group = qi->it.group;
+    if (group == 0) {
+        kvp_list_push(&c->pending, qi);
+        return;
+    }
+    struct qitem *at = group == c->group && c->newest ? c->newest : c->last_timed;
+    insert_after(&c->pending, at, qi);
+    c->group = group;
+    c->newest = qi;
+}
+
+void kvp_sched_push(struct qroot *r, struct qitem *qi)
+{
+    struct qclient *c = client_of(r, qi->it.client);
+    qi->client = (uint8_t)(c - r->clients);
+    if (deadline_of(qi) > 0)
+        push_timed(c, qi);
+    else
+        push_untimed(c, qi);
+    r->npending++;
+}
+
+void kvp_sched_unlink(struct qroot *r, struct qitem *qi)
+{
+    struct qclient *c = &r->clients[qi->client];
+    struct qitem *prev = qi->prev;
+    if (c->last_timed == qi)
+        c->last_timed = prev;  /* timed files are a prefix: prev is timed or NULL */
+    if (c->newest == qi)
+        c->newest = prev && deadline_of(prev) == 0 && prev->it.group == c->group ? prev : NULL;
+    kvp_list_unlink(&c->pending, qi);
+    r->npending--;
+}
+
+/* The client's next file: the earliest deadline it can still meet; else the
+ * latest of the late ones; else the newest request's next file. */
+static struct qitem *pick(struct qclient *c, int64_t now, int64_t service_ns)
+{
+    struct qitem *qi = c->pending.head;
+    int walked = 0;
+    for (; qi && deadline_of(qi) > 0; qi = qi->next) {
+        if (deadline_of(qi) >= now + service_ns || ++walked > SKIP_MAX)
+            return qi;
+    }
+    return c->last_timed ? c->last_timed : qi;
+}
+
+struct qitem *kvp_sched_take(struct qroot *r, int64_t now)
+{
+    int64_t service_ns = kvp_depth_rtt_ns(&r->depth);
+    for (uint32_t k = 0; k < r->nclients; k++) {
+        uint32_t i = (r->turn + k) % r->nclients;
+        struct qclient *c = &r->clients[i];
+        if (c->pending.n == 0)
+            continue;
+        r->turn = (i + 1) % r->nclients;
+        struct qitem *qi = pick(c, now, service_ns);
+        kvp_sched_unlink(r, qi);
+        return qi;
+    }
+    return NULL;
+}

@@ -1,0 +1,168 @@
+"""Which waiting file the queue starts next (native/schedule.c), through the real extension.
+
+One thread (max_threads 1) is held on a read of the slow-tier simulator (a READ hang on
+/gate/) while requests pile up behind it; once released, the one thread starts the rest
+one at a time, so the order outcomes are reaped in is the order the scheduler chose:
+clients take turns; a client's files with a deadline it can still meet go first, earliest
+first; then those too late to be read in time (the latest first); then the files without a
+deadline, the newest request first and each request's files in their own order.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from native_helpers import OUTCOMES, Batch, KiB, new_queue, open_root, write_file
+
+import tiersim
+from kvprefetchd._native import ffi, lib
+
+HOLD_S = 2.0  # the gate's read: the root's service time once it returns
+
+
+@pytest.fixture
+def gated(tmp_path: Path) -> Iterator[tuple[Any, Path]]:
+    """The simulator over gate/g and files/*, reads under /gate/ held until released."""
+    backing = tmp_path / "backing"
+    for name in ["gate/g", *(f"files/{c}{i}" for c in "abcdef" for i in range(3))]:
+        (backing / name).parent.mkdir(parents=True, exist_ok=True)
+        write_file(backing / name, 16 * KiB)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    try:
+        with tiersim.mount(backing, mountpoint) as tier:
+            tier.hold("read", "/gate/")
+            try:
+                yield tier, mountpoint
+            finally:
+                tier.release()
+    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
+        if tiersim.fuse_required():
+            raise
+        pytest.skip(str(error))
+
+
+class Queue:
+    """One queue with one thread; names submitted by tag, outcomes in reaping order."""
+
+    def __init__(self) -> None:
+        self.queue = new_queue(False, initial_depth=1, max_threads=1)
+        self.out = ffi.new("struct kvp_done[]", 64)
+        self.batches: list[Batch] = []
+        self.names: list[str] = []
+        self.order: list[str] = []
+
+    def submit(self, root_fd: int, rels: Sequence[str], *, group: int, client: int,
+               deadline_ns: int = 0) -> None:
+        batch = Batch(root_fd, rels, 4 * KiB)
+        for item in batch.items[0:batch.n]:
+            item.group, item.client, item.deadline_ns = group, client, deadline_ns
+        self.batches.append(batch)
+        tags = list(range(len(self.names), len(self.names) + batch.n))
+        self.names.extend(rels)
+        assert lib.kvp_queue_submit(self.queue, batch.items, ffi.new("uint64_t[]", tags),
+                                    batch.n) == batch.n
+
+    def stats(self) -> Any:
+        stats = ffi.new("struct kvp_queue_stats *")
+        lib.kvp_queue_stats(self.queue, stats)
+        return stats
+
+    def reap_all(self, seconds: float = 30.0) -> list[str]:
+        deadline = time.monotonic() + seconds
+        while len(self.order) < len(self.names):
+            assert time.monotonic() < deadline, f"settled only {self.order}"
+            lib.kvp_queue_tick(self.queue)
+            for k in range(lib.kvp_queue_reap(self.queue, self.out, 64)):
+                done = self.out[k]
+                assert OUTCOMES[done.outcome] == "READ", (self.names[done.tag], done.outcome)
+                self.order.append(self.names[done.tag])
+            time.sleep(0.01)
+        return self.order
+
+
+def files(letter: str) -> list[str]:
+    return [f"files/{letter}{i}" for i in range(3)]
+
+
+def test_clients_take_turns_deadlines_first_then_the_newest_request(
+        gated: tuple[Any, Path]) -> None:
+    tier, mountpoint = gated
+    root_fd = open_root(mountpoint)
+    try:
+        queue = Queue()
+        queue.submit(root_fd, ["gate/g"], group=1, client=1)
+        deadline = time.monotonic() + 10
+        while queue.stats().running < 1:  # the one thread is in the held read
+            assert time.monotonic() < deadline, "the gate's read never started"
+            time.sleep(0.01)
+        submitted = time.monotonic_ns()
+        queue.submit(root_fd, files("a"), group=2, client=1)  # older, no deadline
+        queue.submit(root_fd, files("b"), group=3, client=1)  # newer, no deadline
+        queue.submit(root_fd, files("c"), group=4, client=2)  # another client
+        queue.submit(root_fd, files("d")[:2], group=5, client=1,
+                     deadline_ns=submitted + 40 * 10**9)
+        queue.submit(root_fd, files("e")[:1], group=6, client=1,
+                     deadline_ns=submitted + 30 * 10**9)
+        tier.release()
+        order = queue.reap_all()
+    finally:
+        os.close(root_fd)
+    # Client 1 had the only turn when the gate was taken, so it is next again.
+    assert order == ["gate/g",
+                     "files/e0", "files/c0", "files/d0", "files/c1", "files/d1", "files/c2",
+                     "files/b0", "files/b1", "files/b2", "files/a0", "files/a1", "files/a2"], order
+
+
+def test_a_file_too_late_to_make_its_deadline_waits_for_those_that_can(
+        gated: tuple[Any, Path]) -> None:
+    """Once the gate's read returns, the root's service time is HOLD_S: a file due sooner
+    than that cannot be read in time, so one due later goes first; it still goes before
+    the files without a deadline (its read shortens its consumer's)."""
+    tier, mountpoint = gated
+    root_fd = open_root(mountpoint)
+    try:
+        queue = Queue()
+        queue.submit(root_fd, ["gate/g"], group=1, client=1)
+        deadline = time.monotonic() + 10
+        while queue.stats().running < 1:
+            assert time.monotonic() < deadline, "the gate's read never started"
+            time.sleep(0.01)
+        submitted = time.monotonic_ns()
+        queue.submit(root_fd, files("b"), group=2, client=1)
+        queue.submit(root_fd, files("f")[:1], group=3, client=1,
+                     deadline_ns=submitted + int((HOLD_S + 1.0) * 1e9))
+        queue.submit(root_fd, files("e")[:1], group=4, client=1,
+                     deadline_ns=submitted + 30 * 10**9)
+        time.sleep(HOLD_S)
+        tier.release()
+        order = queue.reap_all()
+    finally:
+        os.close(root_fd)
+    assert order == ["gate/g", "files/e0", "files/f0", *files("b")], order
+
+
+def test_without_groups_or_clients_the_queue_is_first_come_first_served(
+        gated: tuple[Any, Path]) -> None:
+    """A caller that names no request (group 0) gets the order it submitted in."""
+    tier, mountpoint = gated
+    root_fd = open_root(mountpoint)
+    try:
+        queue = Queue()
+        queue.submit(root_fd, ["gate/g"], group=0, client=0)
+        deadline = time.monotonic() + 10
+        while queue.stats().running < 1:
+            assert time.monotonic() < deadline, "the gate's read never started"
+            time.sleep(0.01)
+        for letter in "abc":
+            queue.submit(root_fd, files(letter), group=0, client=0)
+        tier.release()
+        order = queue.reap_all()
+    finally:
+        os.close(root_fd)
+    assert order == ["gate/g", *files("a"), *files("b"), *files("c")], order
