@@ -24,7 +24,7 @@
  * climbed (issue 25).  So a root whose tier profile says its reads wait on a
  * remote fetch starts at the depth the profile gives (kvp_depth_trust: a FUSE
  * mount's max_background, a network file system's full depth) and pays no ramp.
- * Nothing measured that depth, so its first informative window checks it with
+ * Nothing measured that depth, so its first window of 4 reads or more checks it with
  * Little's law: the reads the tier actually served at once are the window's
  * files per second times the fastest fetch's time (the tier's own latency, no
  * queueing in it; reads under FETCH_MIN_NS were cache hits and say nothing of
@@ -111,8 +111,8 @@ static void close_window(struct kvp_depth *d, int64_t now)
         d->history_n++;
     d->rtt_ns = mean;
     d->best_rate *= FORGET;
-    if (informative && d->trusted) {
-        check_trusted(d, rate, mean);
+    if (d->trusted && d->window_n >= 4) {
+        check_trusted(d, rate, mean);  /* backlog or not: reads queued in the tier or not */
     } else if (informative) {
         if (rate > d->best_rate * GAIN || base == 0 || mean <= base * RISE_TOLERANCE) {
             if (rate > d->best_rate) {
