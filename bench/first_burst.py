@@ -37,9 +37,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tiersim  # noqa: E402
-from kvharness.daemon import Daemon, start_config  # noqa: E402
-from kvharness.wire import RawConnection  # noqa: E402
+import tiersim
+from kvharness.daemon import Daemon, start_config
+from kvharness.wire import RawConnection
 
 TARGETS = {"fresh_over_primed": 1.2, "small_over_fetch": 1.3}
 HEAD = 1 << 20

@@ -55,15 +55,17 @@ def tier_of(backing: Path, mountpoint: Path) -> Iterator[Any]:
     yield mount
 
 
-def depth_after_warming(mountpoint: Path) -> tuple[int, int]:
-    """(depth at the start, depth once FILES cold files were read) of a trusted root."""
+def depths_while_warming(mountpoint: Path) -> tuple[int, int]:
+    """(depth at the start, least depth seen while FILES cold files were read) of a root
+    started at a trusted depth. The least, not the last: past its first window the depth
+    is the hill climb's, which probes upward now and then (depthctl.c)."""
     queue = new_queue(False, initial_depth=4, max_threads=128)
     root_fd = open_root(mountpoint)
     try:
         lib.kvp_queue_root_depth(queue, root_fd, START)
         stats: Any = ffi.new("struct kvp_queue_stats *")
         lib.kvp_queue_stats(queue, stats)
-        start = int(stats.root_depth[0])
+        start = least = int(stats.root_depth[0])
         batch = Batch(root_fd, [f"f{i:03d}" for i in range(FILES)], 16 * KiB)
         tags = ffi.new("uint64_t[]", list(range(FILES)))
         assert lib.kvp_queue_submit(queue, batch.items, tags, FILES) == FILES
@@ -73,11 +75,12 @@ def depth_after_warming(mountpoint: Path) -> tuple[int, int]:
         reaped, deadline = 0, time.monotonic() + 60
         while reaped < FILES:
             assert time.monotonic() < deadline, f"{FILES - reaped} files never settled"
-            poller.poll(100)
+            poller.poll(20)
             lib.kvp_queue_tick(queue)
             reaped += lib.kvp_queue_reap(queue, out, FILES)
-        lib.kvp_queue_stats(queue, stats)
-        return start, int(stats.root_depth[0])
+            lib.kvp_queue_stats(queue, stats)
+            least = min(least, int(stats.root_depth[0]))
+        return start, least
     finally:
         os.close(root_fd)
 
@@ -85,15 +88,15 @@ def depth_after_warming(mountpoint: Path) -> tuple[int, int]:
 def test_a_trusted_start_comes_down_to_the_fetches_the_tier_serves(
         tier_of: Any, mountpoint: Path) -> None:
     with tier_of(slots=4) as tier:
-        start, settled = depth_after_warming(mountpoint)
+        start, least = depths_while_warming(mountpoint)
         assert tier.stats().fetches >= FILES
     assert start == START
-    assert settled <= 16, f"4 fetch slots, the depth stayed at {settled}"
+    assert least <= 8, f"4 fetch slots, yet the depth never came below {least}"
 
 
 def test_a_trusted_start_holds_where_the_tier_serves_it(
         tier_of: Any, mountpoint: Path) -> None:
     with tier_of(slots=0):
-        start, settled = depth_after_warming(mountpoint)
+        start, least = depths_while_warming(mountpoint)
     assert start == START
-    assert settled >= START, f"no cap on fetches, yet the depth fell to {settled}"
+    assert least >= START // 2, f"no cap on fetches, yet the depth fell to {least}"
