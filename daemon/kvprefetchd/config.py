@@ -114,6 +114,14 @@ class Config:
     # echo floor at nice 5, 2.2-4.0x at 10, 1.7-2.2x at 19; the hot path's 150,000
     # files/s sustained with 0 dropped at 19 too (bench/hot.py).
     worker_nice: int = 19
+    # Workers run SCHED_BATCH (sched(7)): a worker woken by a Warm never preempts the
+    # running task, so the supervisor finishes its round and the client woken by the ack
+    # is not queued behind a worker (EEVDF then lets the worker's slice run out first,
+    # and this 250 Hz kernel checks only at the next tick: 4 ms). Their CPU share is
+    # worker_nice's as before. Traced with bench/ack_latency.py's resident set (1,000
+    # resident paths, idle): client waits > 0.5 ms behind a worker after the ack, 17 of
+    # 400 requests at nice 19 alone, 7 of 400 with SCHED_BATCH (docs/bench/ack-and-load.md).
+    worker_batch: bool = True
     dedup_ttl_ms: int = 1000
     dedup_entries: int = 65536
     dedup_bytes: int = 16 * MIB  # of remembered path keys per worker
@@ -329,7 +337,7 @@ def _check(key: str, value: Any) -> Any:
             raise ConfigError(f"{key}: expected a list of client identities (SAN names or CN)")
         return tuple(value)
     if key in ("fadv_random", "allow_inline_layouts", "root_path_checks", "allow_evict",
-               "preserve_atime", "tcp_plaintext_loopback"):
+               "preserve_atime", "tcp_plaintext_loopback", "worker_batch"):
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false")
         return value
@@ -463,7 +471,7 @@ RESTART_KEYS = frozenset({
     "max_open_files", "initial_depth", "max_in_flight", "file_timeout", "root_path_checks",
     "other_mount_threads",
     "dedup_ttl_ms",
-    "dedup_entries", "dedup_bytes", "worker_nice", "metrics", "model_warm_modes",
+    "dedup_entries", "dedup_bytes", "worker_nice", "worker_batch", "metrics", "model_warm_modes",
     "metrics_header_timeout", "metrics_max_clients_per_address", "metrics_rate",
     "metrics_rate_per_address", "metrics_cache_seconds",
     "listen_tcp", "tcp_plaintext_loopback",

@@ -187,6 +187,7 @@ class WorkerPool:
             dedup_entries=config.dedup_entries,
             dedup_bytes=config.dedup_bytes,
             nice=config.worker_nice,
+            batch=config.worker_batch,
         )
 
     def spawn(self, index: int) -> None:

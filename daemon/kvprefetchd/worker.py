@@ -77,6 +77,7 @@ class WorkerPlan:
     dedup_entries: int
     dedup_bytes: int = 16 << 20
     nice: int = 0
+    batch: bool = False  # SCHED_BATCH (config.worker_batch)
     tiers: tuple[RootTier, ...] = ()  # per root, beside rules (RootTier() when not open)
     holds: HoldBudget = field(default_factory=HoldBudget)
 

@@ -1,9 +1,9 @@
 """A worker as a process: what runs in the forked child before and after its loop.
 
-The child drops the supervisor's fds and signal handlers, names itself, renices, pins
-glibc's malloc behaviour, builds its engines (or says why it cannot: BootFailed, and
-EXIT_BOOT_FAILED), reports Ready and runs the Worker's loop (worker.py) until the
-supervisor goes away.
+The child drops the supervisor's fds and signal handlers, names itself, renices and
+goes SCHED_BATCH, pins glibc's malloc behaviour, builds its engines (or says why it
+cannot: BootFailed, and EXIT_BOOT_FAILED), reports Ready and runs the Worker's loop
+(worker.py) until the supervisor goes away.
 """
 
 from __future__ import annotations
@@ -100,6 +100,14 @@ def worker_main(plan: WorkerPlan, sock: socket.socket) -> NoReturn:
                 # A seccomp filter (systemd's ~@resources) or a container may forbid
                 # setpriority: the worker serves at the supervisor's priority, said once.
                 renice = f"cannot renice workers by {plan.nice}: {error.strerror}"
+        if plan.batch:
+            try:
+                # No wake-up preemption (sched(7)): the ack's client and the supervisor run
+                # first. Threads made later (the queue engine's) inherit it.
+                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            except OSError as error:
+                renice = "; ".join(filter(None, (
+                    renice, f"cannot set SCHED_BATCH on workers: {error.strerror}")))
         pin_mmap_threshold()
         settings = plan.engine_settings
         fd_room(settings.max_open_files + settings.max_in_flight + plan.holds.max_files + 64)
