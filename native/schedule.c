@@ -15,15 +15,15 @@
  * - Within a client, files with a deadline go first, earliest deadline first,
  *   but only those that can still be read in time: one whose deadline is nearer
  *   than the root's service time (depthctl.c) would be late however soon it
- *   started, so the files that can still make it go before it.  Such a file is
- *   not dropped: its read still shortens the consumer's (the consumer waits on
- *   the read in flight), so it goes next once no file that can make it waits,
- *   the latest deadline first.  Past its deadline a file is dropped unread
- *   (EXPIRED, queue.c's sweep).
- * - Files without a deadline come last, the newest request first and each
+ *   started, so every file that can still make it goes before it.
+ * - Then the files without a deadline, the newest request first and each
  *   request's files in their own order: the newest request is the one whose
  *   consumer is furthest from reading.  Group 0 (a caller that names no request)
- *   is first come, first served, at the very end.
+ *   is first come, first served, after them.
+ * - Last, the files too late to be read in time, in deadline order.  They are
+ *   not dropped: a read still shortens its consumer's (who waits on the read in
+ *   flight).  Past its deadline a file is dropped unread (EXPIRED, queue.c's
+ *   sweep).
  *
  * Everything here runs under the queue's mutex.  Insertion is O(1) when a
  * request's files share one deadline (they do: the request's) and deadlines
@@ -149,7 +149,7 @@ void kvp_sched_unlink(struct qroot *r, struct qitem *qi)
 }
 
 /* The client's next file: the earliest deadline it can still meet; else the
- * latest of the late ones; else the newest request's next file. */
+ * newest request's next file; else the earliest of the late ones. */
 static struct qitem *pick(struct qclient *c, int64_t now, int64_t service_ns)
 {
     struct qitem *qi = c->pending.head;
@@ -158,7 +158,7 @@ static struct qitem *pick(struct qclient *c, int64_t now, int64_t service_ns)
         if (deadline_of(qi) >= now + service_ns || ++walked > SKIP_MAX)
             return qi;
     }
-    return c->last_timed ? c->last_timed : qi;
+    return qi ? qi : c->pending.head;
 }
 
 struct qitem *kvp_sched_take(struct qroot *r, int64_t now)

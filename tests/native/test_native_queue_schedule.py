@@ -4,8 +4,8 @@ One thread (max_threads 1) is held on a read of the slow-tier simulator (a READ 
 /gate/) while requests pile up behind it; once released, the one thread starts the rest
 one at a time, so the order outcomes are reaped in is the order the scheduler chose:
 clients take turns; a client's files with a deadline it can still meet go first, earliest
-first; then those too late to be read in time (the latest first); then the files without a
-deadline, the newest request first and each request's files in their own order.
+first; then the files without a deadline, the newest request first and each request's
+files in their own order; then those too late to be read in time.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def test_clients_take_turns_deadlines_first_then_the_newest_request(
 def test_a_file_too_late_to_make_its_deadline_waits_for_those_that_can(
         gated: tuple[Any, Path]) -> None:
     """Once the gate's read returns, the root's service time is HOLD_S: a file due sooner
-    than that cannot be read in time, so one due later goes first; it still goes before
-    the files without a deadline (its read shortens its consumer's)."""
+    than that cannot be read in time, so one due later goes first, and the files without a
+    deadline too; then the late one, still read (its read shortens its consumer's)."""
     tier, mountpoint = gated
     root_fd = open_root(mountpoint)
     try:
@@ -144,7 +144,7 @@ def test_a_file_too_late_to_make_its_deadline_waits_for_those_that_can(
         order = queue.reap_all()
     finally:
         os.close(root_fd)
-    assert order == ["gate/g", "files/e0", "files/f0", *files("b")], order
+    assert order == ["gate/g", "files/e0", *files("b"), "files/f0"], order
 
 
 def test_without_groups_or_clients_the_queue_is_first_come_first_served(
