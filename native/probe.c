@@ -7,7 +7,10 @@
  * worker's own thread, with the syscalls a confined residency check needs and
  * nothing else: openat2(O_PATH, RESOLVE_BENEATH | RESOLVE_CACHED), statx,
  * then (page-cache rule) the /proc reopen of the verified inode and cachestat;
- * ~4 us per file here.  It settles RESIDENT, and MISSING where the dentry
+ * ~4 us per file here.  The reopen is relative to a held fd of /proc/self/fd
+ * (proc_fd): the absolute "/proc/self/fd/N" walked /proc and resolved the
+ * "self" link for every file, measured at ~40% of the probe's CPU
+ * (docs/bench/hot.md, issue 25).  It settles RESIDENT, and MISSING where the dentry
  * cache itself says the name does not exist (ENOENT under RESOLVE_CACHED: a
  * negative dentry, which a local file system keeps exact; the router asks for
  * blocks not written yet all the time).  Every other file (cold, rejected, a
@@ -26,8 +29,9 @@
  * is the queue's.  RESOLVE_CACHED refuses any walk that would need I/O, statx
  * asks with AT_STATX_DONT_SYNC, and the /proc reopen (which asks the file
  * system: FUSE's permission check may send GETATTR) only ever reopens an inode
- * of the root's own mount; a call stops at its time budget or at the first
- * file that took longer than KVP_PROBE_SLOW_NS, leaving the rest to the queue.
+ * of the root's own mount; a call stops at its CPU budget or at the first
+ * file that took longer than KVP_PROBE_SLOW_NS because it waited (not because
+ * a busy host preempted it), leaving the rest to the queue.
  */
 #include "internal.h"
 
@@ -35,9 +39,9 @@
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <linux/openat2.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
@@ -57,11 +61,71 @@
 #endif
 
 #define KVP_PROBE_SLOW_NS 1000000  /* one file slower than this: the rest go to the queue */
+#define KVP_PROBE_CPU_EVERY 32     /* files between two looks at the call's CPU time */
+
+/* A file that took longer than KVP_PROBE_SLOW_NS either waited (a lock, a
+ * fault, a file system's reply: the thread slept, a voluntary context switch)
+ * or was only preempted on a busy host (an involuntary one).  Only the first
+ * says the next files may wait too: stopping at a preemption sent the rest of
+ * the call through the queue, which costs the busy host ~3x the CPU (issue 25:
+ * at load 30 on 2 CPUs half the resident files of a wait request went there).
+ * getrusage(RUSAGE_THREAD) counts this thread's voluntary switches (Linux
+ * 2.6.26+); it is asked once a call and again only after a slow file.  -1: no
+ * count, every slow file stops the call as before. */
+static long sleeps(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_nvcsw : -1;
+}
+
+/* The budget is this thread's CPU time, not the wall clock's: it bounds the
+ * work one call does (~10,000 resident files), which a preempted call on a busy
+ * host did not do while its wall clock ran. */
+static int64_t thread_cpu_ns(void)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) < 0)
+        return kvp_now_ns();
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 struct kvp_prober {
     struct kvp_ctx base;  /* only its kernel features: have_openat2, have_proc */
     int have_cached;      /* openat2 takes RESOLVE_CACHED (Linux 5.12+) */
+    int proc_fd;          /* O_PATH fd of /proc/self/fd as process proc_pid saw it; -1: none */
+    pid_t proc_pid;
+    const char *stx_path; /* NULL where statx takes it with AT_EMPTY_PATH (6.11+), else "" */
 };
+
+/* An fd's number in decimal, for the /proc/self/fd lookup (snprintf was ~2% of it). */
+static void fd_name(char *out, int fd)
+{
+    char digits[16];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + fd % 10);
+        fd /= 10;
+    } while (fd > 0 && n < (int)sizeof digits);
+    while (n > 0)
+        *out++ = digits[--n];
+    *out = '\0';
+}
+
+/* The held /proc/self/fd names the fd table of the process that opened it
+ * ("self" is resolved at open time): in a child forked later (a prober made
+ * before the fork) its "N" would be the parent's fd N.  So it is only used by
+ * proc_pid; any other process reopens through the absolute path. */
+static int reopen(const struct kvp_prober *p, pid_t pid, int pfd)
+{
+    char name[32] = "/proc/self/fd/";
+    int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
+    if (p->proc_fd >= 0 && pid == p->proc_pid) {
+        fd_name(name, pfd);
+        return openat(p->proc_fd, name, flags);
+    }
+    fd_name(name + strlen(name), pfd);
+    return open(name, flags);
+}
 
 struct kvp_prober *kvp_prober_new(void)
 {
@@ -69,6 +133,26 @@ struct kvp_prober *kvp_prober_new(void)
     if (!p)
         return NULL;
     kvp_open_probe(&p->base);
+    p->proc_fd = -1;
+    if (p->base.have_proc) {
+        /* Must really be procfs, as kvp_open_probe checks for the absolute path. */
+        struct statfs sf;
+        int fd = open("/proc/self/fd", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (fd >= 0 && fstatfs(fd, &sf) == 0 && sf.f_type == PROC_SUPER_MAGIC) {
+            p->proc_fd = fd;
+            p->proc_pid = getpid();
+        } else if (fd >= 0) {
+            close(fd);
+        }
+    }
+    /* statx(fd, NULL, AT_EMPTY_PATH) skips copying and looking up the empty
+     * name (Linux 6.11, commit 0ef625bba6fb "vfs: support statx(..., NULL,
+     * AT_EMPTY_PATH, ...)"); older kernels say EFAULT. */
+    struct statx stx;
+    int self = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    p->stx_path = self >= 0 && statx(self, NULL, AT_EMPTY_PATH, STATX_TYPE, &stx) == 0 ? NULL : "";
+    if (self >= 0)
+        close(self);
     if (p->base.have_openat2) {
         struct open_how how = { .flags = O_PATH | O_CLOEXEC,
                                 .resolve = RESOLVE_BENEATH | RESOLVE_NO_XDEV | RESOLVE_CACHED };
@@ -82,6 +166,8 @@ struct kvp_prober *kvp_prober_new(void)
 
 void kvp_prober_free(struct kvp_prober *p)
 {
+    if (p && p->proc_fd >= 0 && p->proc_pid == getpid())
+        close(p->proc_fd);  /* in a forked child the number may be another file by now */
     free(p);
 }
 
@@ -118,22 +204,23 @@ enum { PROBE_REST, PROBE_RESIDENT, PROBE_MISSING };
 /* PROBE_RESIDENT when the head of rel is resident by the root's rule,
  * PROBE_MISSING when the dentry cache says rel does not exist, else PROBE_REST:
  * the queue decides (errors included: EAGAIN or EXDEV at a mount point). */
-static int probe_one(const struct kvp_probe_root *root, const char *rel, uint64_t read_bytes)
+static int probe_one(const struct kvp_prober *p, pid_t pid, const struct kvp_probe_root *root,
+                     const char *rel, uint64_t read_bytes)
 {
     struct open_how how = { .flags = O_PATH | O_CLOEXEC,
                             .resolve = RESOLVE_BENEATH | RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS
                                        | RESOLVE_CACHED };
     struct statx stx;
     struct stat st;
-    char proc[32];
     int yes = 0;
     if (!*rel)
         return PROBE_REST;
     int pfd = (int)syscall(SYS_openat2, root->fd, rel, &how, sizeof how);
     if (pfd < 0)
         return errno == ENOENT ? PROBE_MISSING : PROBE_REST;
-    if (statx(pfd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE | STATX_SIZE | STATX_BLOCKS,
-              &stx) < 0 || !S_ISREG(stx.stx_mode))
+    unsigned mask = STATX_TYPE | STATX_SIZE | (root->residency == KVP_RES_TIER ? STATX_BLOCKS : 0);
+    if (statx(pfd, p->stx_path, AT_EMPTY_PATH | AT_STATX_DONT_SYNC, mask, &stx) < 0
+        || !S_ISREG(stx.stx_mode))
         goto out;
     uint64_t span = MIN((uint64_t)stx.stx_size, read_bytes);
     if (span == 0) {
@@ -148,8 +235,7 @@ static int probe_one(const struct kvp_probe_root *root, const char *rel, uint64_
         goto out;
     }
     /* cachestat needs a real fd of exactly the inode just checked (open.c). */
-    snprintf(proc, sizeof proc, "/proc/self/fd/%d", pfd);
-    int fd = open(proc, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    int fd = reopen(p, pid, pfd);
     if (fd >= 0) {
         yes = kvp_resident_bytes(fd, 0, span, 0) >= (int64_t)span;
         close(fd);
@@ -166,7 +252,9 @@ size_t kvp_probe(const struct kvp_prober *p, const struct kvp_probe_root *roots,
 {
     size_t k = 0, m = 0, r = 0, at = 0, i = 0;
     int go = kvp_prober_works(p);
-    int64_t start = go ? kvp_now_ns() : 0, last = start;
+    int64_t last = go ? kvp_now_ns() : 0, cpu0 = go ? thread_cpu_ns() : 0;
+    long slept = go ? sleeps() : -1;
+    pid_t pid = go ? getpid() : 0;  /* once a call: which /proc/self/fd reopen() may use */
     for (; i < n; i++) {
         const char *rel = paths + at;
         const char *end = at < paths_len ? memchr(rel, '\0', paths_len - at) : NULL;
@@ -176,7 +264,7 @@ size_t kvp_probe(const struct kvp_prober *p, const struct kvp_probe_root *roots,
         const struct kvp_probe_root *root = root_index[i] < nroots ? &roots[root_index[i]] : NULL;
         int verdict = PROBE_REST;
         if (go && root && root->local && root->fd >= 0 && root->residency != KVP_RES_OFF)
-            verdict = probe_one(root, rel, read_bytes);
+            verdict = probe_one(p, pid, root, rel, read_bytes);
         if (verdict == PROBE_RESIDENT)
             resident_out[k++] = (uint32_t)i;
         else if (verdict == PROBE_MISSING)
@@ -185,8 +273,10 @@ size_t kvp_probe(const struct kvp_prober *p, const struct kvp_probe_root *roots,
             rest_out[r++] = (uint32_t)i;
         if (go) {
             int64_t now = kvp_now_ns();
-            if (now - last > KVP_PROBE_SLOW_NS || now - start > budget_ns)
-                go = 0;  /* slow or long: what is left is the queue's */
+            if (now - last > KVP_PROBE_SLOW_NS && (slept < 0 || sleeps() != slept))
+                go = 0;  /* it waited on something: what is left is the queue's */
+            else if (i % KVP_PROBE_CPU_EVERY == 0 && thread_cpu_ns() - cpu0 > budget_ns)
+                go = 0;  /* long: the rest too */
             last = now;
         }
     }

@@ -136,10 +136,12 @@ def unchecked_io_opens(records: Iterable[Open | Stat], roots: Iterable[str | os.
     """Opens for I/O of something beneath a root that are not the verified reopen.
 
     The rule (native/open.c reopen(), kv/discover.py _open_regular()): resolve with
-    O_PATH, fstat that fd, refuse all but regular files, then open /proc/self/fd/N. So
-    a non-O_PATH open beneath a root must name /proc/self/fd/N, and the last fstat of N
-    by the same thread must have said S_IFREG. The thread matters: the kernel keeps one
-    fd table per process, but each worker thread resolves and reopens its own items.
+    O_PATH, fstat that fd, refuse all but regular files, then open /proc/self/fd/N (or
+    N relative to a held /proc/self/fd: native/probe.c, which strace shows as the dirfd
+    /proc/PID/fd, PID the caller's own). So a non-O_PATH open beneath a root must name
+    /proc/self/fd/N, and the last fstat of N by the same thread must have said S_IFREG.
+    The thread matters: the kernel keeps one fd table per process, but each worker
+    thread resolves and reopens its own items.
     """
     roots = list(roots)
     seen: dict[tuple[int, int], str] = {}
@@ -155,6 +157,8 @@ def unchecked_io_opens(records: Iterable[Open | Stat], roots: Iterable[str | os.
                                                                                 roots):
             continue
         reopen = re.fullmatch(rb"/proc/self/fd/(\d+)", record.name)
+        if reopen is None and record.dirfd_path == b"/proc/%d/fd" % record.pid:
+            reopen = re.fullmatch(rb"(\d+)", record.name)
         if reopen is None or seen.get((record.pid, int(reopen.group(1)))) != "S_IFREG":
             bad.append(record)
     return bad

@@ -9,7 +9,9 @@ before. It never waits on a file
 system: roots on network or FUSE file systems are not probed, nor are names outside the
 dentry cache or behind another mount beneath a local root (a FUSE mount in a subdirectory:
 the walk stops at its mount point, RESOLVE_NO_XDEV), and a call stops at PROBE_BUDGET_NS
-or at the first slow file. The probe leaves such names with the rest, untagged: under
+of its thread's CPU or at the first file that was slow because it waited (a file that was
+only preempted on a busy host does not stop it: the queue would cost that host more CPU
+for the same answer). The probe leaves such names with the rest, untagged: under
 RESOLVE_CACHED a mount point and a name outside the dentry cache both say EAGAIN; the
 queue's own lookup tells them apart and reads them in its other-mount lane.
 """
@@ -20,8 +22,9 @@ from typing import Any
 
 from kvprefetchd.native import Native
 
-# The longest one call may hold the worker's thread (it reads no channel meanwhile):
-# ~10,000 resident files here.
+# The most CPU one call may spend on the worker's thread (it reads no channel meanwhile):
+# ~10,000 resident files here. CPU time, not wall time: on a busy host a preempted call
+# did none of that work, and the queue the rest would go to costs more of the same CPU.
 PROBE_BUDGET_NS = 50_000_000
 
 

@@ -7,9 +7,14 @@ queue then decides it as before).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import stat
+import struct
 import time
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,37 @@ class Probe:
 def warm(path: Path) -> None:
     with open(path, "rb") as handle:
         handle.read()
+
+
+IN_OPEN, IN_NONBLOCK = 0x20, 0o4000  # <sys/inotify.h>
+
+
+@contextmanager
+def opens_in(*folders: Path) -> Iterator[list[str]]:
+    """The names of the files opened in `folders` during the block (inotify IN_OPEN, which
+    an O_PATH open does not raise: fs/open.c do_dentry_open), filled in at its end."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(IN_NONBLOCK)
+    if fd < 0:
+        pytest.skip(f"no inotify here: {os.strerror(ctypes.get_errno())}")
+    names: list[str] = []
+    try:
+        for folder in folders:
+            if libc.inotify_add_watch(fd, str(folder).encode(), IN_OPEN) < 0:
+                pytest.skip(f"no inotify watch: {os.strerror(ctypes.get_errno())}")
+        yield names
+        while True:  # every event is queued by the time the probe's call returned
+            try:
+                buffer = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            at = 0
+            while at < len(buffer):
+                _, _, _, length = struct.unpack_from("iIII", buffer, at)
+                names.append(buffer[at + 16:at + 16 + length].rstrip(b"\0").decode())
+                at += 16 + length
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture
@@ -210,3 +246,54 @@ def test_a_hung_fuse_mount_beneath_the_root_is_never_asked(
     assert (missing, rest) == ([], [0, 2, 3, 4])
     assert found == [1] or skip_if_dropped()
     assert (asked.lookups, asked.getattrs, asked.opens, asked.held_total) == (0, 0, 0, 0), asked
+
+
+def test_nothing_but_a_regular_file_beneath_the_root_is_ever_opened_for_reading(
+        root: Any, probe_works: None, tmp_path: Path) -> None:
+    """The probe reopens for reading (for cachestat) only the regular file its statx
+    checked: never a FIFO (opening one for reading wakes its writers), a device (its
+    driver's open may act), nor what a symlink points at outside the root."""
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    hot = write_file(root.path / "hot", 4 * KiB)
+    os.mkfifo(root.path / "fifo")
+    os.symlink("fifo", root.path / "to-fifo")
+    names = ["hot", "fifo", "to-fifo", "escape"]
+    if os.geteuid() == 0:  # a character device like /dev/null (mknod needs CAP_MKNOD)
+        os.mknod(root.path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        os.symlink("null", root.path / "to-null")
+        names += ["null", "to-null"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    warm(write_file(outside / "file", 4 * KiB))
+    os.symlink(outside / "file", root.path / "escape")
+    now = time.time()  # the links' atimes set, so RESOLVE_CACHED may follow them (above)
+    for name in ("to-fifo", "escape", *(["to-null"] if "null" in names else [])):
+        os.utime(root.path / name, (now + 2, now - 2), follow_symlinks=False)
+    for name in names:
+        os.stat(root.path / name, follow_symlinks=False)  # every dentry cached
+    warm(hot)
+    probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
+    with opens_in(root.path, outside) as opened:
+        found, missing, rest = probe.run([(0, name) for name in names], 4 * KiB)
+    assert opened == ["hot"]  # reopened for cachestat, resident or not; nothing else
+    assert found == [0] or skip_if_dropped()
+    assert (missing, rest) == ([], list(range(1, len(names))))
+
+
+def test_a_prober_made_before_a_fork_reopens_through_the_childs_own_fds(
+        root: Any, probe_works: None) -> None:
+    """The prober holds /proc/self/fd of the process that made it. In a child forked
+    after, that is the parent's fd table: the child's O_PATH fd N reopened through it
+    would be the parent's fd N. Child's pipe makes it bite: the child's first free fd is
+    the number of the parent's read end of the result pipe."""
+    if not lib.kvp_probe_root_local(root.fd):
+        pytest.skip("the test directory is not on a local file system")
+    hot = write_file(root.path / "hot", 4 * KiB)
+    warm(hot)
+    probe = Probe([(root.fd, lib.KVP_RES_PAGECACHE)])
+    child = Child(lambda: probe.run([(0, "hot")], 4 * KiB))
+    got = child.result(30.0)
+    child.reap()
+    assert got is not None
+    assert got == [[0], [], []] or skip_if_dropped()
