@@ -1,0 +1,228 @@
+"""One run of the router replay: a cold tier, the stream replayed against one method, measured.
+
+Before the run the tier is made cold (the simulator's `evict-all`, which drops the mount's
+page cache too; a real tier is remounted with its caches dropped) and the stream's warm
+files are fetched. The clock then starts and one scheduler thread walks the stream's events
+in time order: at a request's arrival its files go to the method (replay_methods.py); at
+arrival + delta a consumer thread starts for it, which
+
+1. asks the tier, for each of its files, how many bytes of the head it would get without
+   a fetch, right before reading (`Tier.resident`: on the simulator its st_blocks, which
+   count fetched chunks exactly; on a real tier the page cache's mincore): the warm-hit
+   ratio is those bytes over the bytes it reads;
+2. reads the heads one file after another, as one loader thread does: its read time.
+
+Every consumer's start is checked against its due time (`late_s`): the harness's own lag,
+reported so a loaded machine cannot pass for a slow method.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from percentiles import nearest_rank
+from replay_methods import Clock, make, read_head
+from replay_stream import Request, Stream
+
+THREAD_STACK = 256 << 10
+PREWARM_THREADS = 64
+ARRIVE, READ = 0, 1
+
+
+class Tier(Protocol):
+    root: Path
+
+    def path(self, name: str) -> str: ...
+
+    def cold(self) -> None: ...
+
+    def resident(self, path: str, head: int) -> int: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def reset(self) -> None: ...
+
+
+def parallel_read(paths: Sequence[str], head: int, threads: int) -> float:
+    """Read the heads of `paths` with `threads` threads; the wall seconds."""
+    jobs = list(paths)
+    lock = threading.Lock()
+
+    def work() -> None:
+        buffer = bytearray(min(head, 1 << 20))
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                path = jobs.pop()
+            read_head(path, head, buffer)
+
+    started = time.perf_counter()
+    pool = [threading.Thread(target=work) for _ in range(min(threads, len(paths)) or 1)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def sequential_read(paths: Sequence[str], head: int) -> float:
+    buffer = bytearray(min(head, 1 << 20))
+    started = time.perf_counter()
+    for path in paths:
+        read_head(path, head, buffer)
+    return time.perf_counter() - started
+
+
+def capacity(tier: Tier, paths: Sequence[str], head: int, threads: int) -> dict[str, Any]:
+    """The tier's fetch rate, measured: `paths` cold, read by `threads` threads at once."""
+    tier.cold()
+    before = tier.counters()
+    wall = parallel_read(paths, head, threads)
+    after = tier.counters()
+    tier.cold()
+    return {"files": len(paths), "threads": threads, "wall_s": round(wall, 4),
+            "files_per_s": round(len(paths) / wall, 1),
+            "tier": {k: after[k] - before.get(k, 0) for k in after}}
+
+
+def references(tier: Tier, requests: Sequence[Request], head: int) -> dict[str, Any]:
+    """The consumer's read time of one request alone, all cold and all warm (medians)."""
+    tier.cold()
+    cold, warm = [], []
+    for request in requests:
+        paths = [tier.path(f) for f in request.files]
+        cold.append(sequential_read(paths, head))
+        warm.append(sequential_read(paths, head))
+    tier.cold()
+    return {"requests": len(requests), "cold_s": sorted(cold)[len(cold) // 2],
+            "warm_s": sorted(warm)[len(warm) // 2]}
+
+
+def replay(stream: Stream, method: str, tier: Tier, head: int, workdir: Path,
+           drain_s: float) -> dict[str, Any]:
+    """One cold -> warm files -> stream run of `method`; per-request records and figures."""
+    tier.cold()
+    parallel_read([tier.path(f) for f in stream.warm], head, PREWARM_THREADS)
+    tier.reset()  # a gauge's peak from here on
+    previous = threading.stack_size(THREAD_STACK)
+    clock = Clock()
+    try:
+        warmer = make(method, tier.root, head, workdir, clock)
+    finally:
+        threading.stack_size(previous)
+    records: dict[int, dict[str, float]] = {}
+    consumers: list[threading.Thread] = []
+    try:
+        counters0 = tier.counters()
+        events = [(r.arrival_s, ARRIVE, r.index) for r in stream.requests]
+        events += [(r.arrival_s + r.delta_s, READ, r.index) for r in stream.requests]
+        heapq.heapify(events)
+        threading.stack_size(THREAD_STACK)
+        clock.start = time.monotonic()
+        while events:
+            due, kind, index = heapq.heappop(events)
+            if (wait := due - clock.now()) > 0:
+                time.sleep(wait)
+            request = stream.requests[index]
+            paths = [tier.path(f) for f in request.files]
+            if kind == ARRIVE:
+                warmer.submit(request, paths, clock.now())
+                continue
+            consumer = threading.Thread(target=consume, daemon=True,
+                                        args=(request, paths, tier, head, clock, due, records))
+            consumer.start()
+            consumers.append(consumer)
+        stream_s = clock.now()
+        end = time.monotonic() + drain_s
+        for consumer in consumers:
+            consumer.join(max(0.0, end - time.monotonic()))
+        warmer.finish(max(0.0, end - time.monotonic()))
+        wall_s = clock.now()
+        counters = tier.counters()
+        done = warmer.results()
+        detail = warmer.detail()
+    finally:
+        threading.stack_size(previous)
+        warmer.close()
+    return {"method": method, "load": stream.load, "stream_s": round(stream_s, 3),
+            "wall_s": round(wall_s, 3), "unfinished_consumers": len(stream.requests) - len(records),
+            "tier": {k: counters[k] - (0 if k.startswith("peak") else counters0.get(k, 0))
+                     for k in counters},
+            "detail": detail,
+            "requests": per_request(stream, records, done)}
+
+
+def consume(request: Request, paths: Sequence[str], tier: Tier, head: int, clock: Clock,
+            due: float, records: dict[int, dict[str, float]]) -> None:
+    """The GPU's loader for one request (module docstring)."""
+    started = clock.now()
+    warm = sum(tier.resident(path, head) for path in paths)
+    read_s = sequential_read(paths, head)
+    records[request.index] = {"late_s": started - due, "warm_bytes": warm, "read_s": read_s}
+
+
+def per_request(stream: Stream, records: dict[int, dict[str, float]],
+                done: dict[int, tuple[float | None, bool]]) -> dict[str, list[Any]]:
+    """Columns, one entry per request, in stream order (None where nothing was measured)."""
+    columns: dict[str, list[Any]] = {k: [] for k in ("delta_s", "new", "warm_bytes", "read_s",
+                                                     "late_s", "warmup_s", "warmup_ok")}
+    for request in stream.requests:
+        record = records.get(request.index, {})
+        completed, ok = done.get(request.index, (None, False))
+        columns["delta_s"].append(round(request.delta_s, 4))
+        columns["new"].append(request.new)
+        columns["warm_bytes"].append(record.get("warm_bytes"))
+        columns["read_s"].append(_round(record.get("read_s")))
+        columns["late_s"].append(_round(record.get("late_s")))
+        columns["warmup_s"].append(_round(None if completed is None
+                                          else completed - request.arrival_s))
+        columns["warmup_ok"].append(ok)
+    return columns
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 5)
+
+
+def summarize(run: dict[str, Any], request_bytes: int, latency_s: float) -> dict[str, Any]:
+    """A run's figures: warm-hit ratios (all requests; those with delta >= 2x the fetch
+    latency; those bringing new files), the share fully warm when read, warm-up completion
+    (over the requests whose warm-up completed: `warmup_completed` says how many) and the
+    share completed within delta, the consumer's read time, the harness's own lag."""
+    cols = run["requests"]
+    rows = [dict(zip(cols, values, strict=True)) for values in zip(*cols.values(), strict=True)]
+    read = [r for r in rows if r["warm_bytes"] is not None]
+    long = [r for r in read if r["delta_s"] >= 2 * latency_s]
+    new = [r for r in read if r["new"]]  # bringing files never asked for: a fetch is due
+
+    def hit(subset: list[dict[str, Any]]) -> float | None:
+        return round(sum(r["warm_bytes"] for r in subset) / (len(subset) * request_bytes), 4) \
+            if subset else None
+
+    def full(subset: list[dict[str, Any]]) -> float | None:
+        return round(sum(r["warm_bytes"] >= request_bytes for r in subset) / len(subset), 4) \
+            if subset else None
+
+    warms = run["method"] != "none"
+    warmups = sorted(r["warmup_s"] for r in rows if r["warmup_s"] is not None)
+    reads = sorted(r["read_s"] for r in read)
+    lates = sorted(r["late_s"] for r in read)
+    on_time = sum(1 for r in rows if r["warmup_s"] is not None and r["warmup_s"] <= r["delta_s"])
+    return {
+        "requests": len(rows), "consumers_measured": len(read),
+        "warm_hit": hit(read), "warm_hit_long_delta": hit(long), "long_delta_requests": len(long),
+        "fully_warm": full(read), "fully_warm_long_delta": full(long),
+        "new_requests": len(new), "warm_hit_new": hit(new), "fully_warm_new": full(new),
+        "warmup_p50_s": nearest_rank(warmups, 50), "warmup_p99_s": nearest_rank(warmups, 99),
+        "warmup_completed": round(len(warmups) / len(rows), 4) if rows and warms else None,
+        "warmup_on_time": round(on_time / len(rows), 4) if rows and warms else None,
+        "read_p50_s": nearest_rank(reads, 50), "read_p99_s": nearest_rank(reads, 99),
+        "read_mean_s": round(sum(reads) / len(reads), 5) if reads else None,
+        "late_p99_s": nearest_rank(lates, 99),
+    }
