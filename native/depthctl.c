@@ -24,14 +24,19 @@
  * climbed (issue 25).  So a root whose tier profile says its reads wait on a
  * remote fetch starts at the depth the profile gives (kvp_depth_trust: a FUSE
  * mount's max_background, a network file system's full depth) and pays no ramp.
- * Nothing measured that depth, so its first window of 4 reads or more checks it with
- * Little's law: the reads the tier actually served at once are the window's
- * files per second times the fastest fetch's time (the tier's own latency, no
- * queueing in it; reads under FETCH_MIN_NS were cache hits and say nothing of
- * it).  Where the window's mean read took more than QUEUED times that, reads
- * were queueing inside the file system, where no request can overtake another
- * (schedule.c), and the depth comes down to what was served, plus headroom.
- * Jitter alone keeps the mean well under QUEUED times the fastest.
+ * Nothing measured that depth, so every window of such a root (4 reads or more,
+ * a backlog or not) checks it with Little's law: the reads the tier served at
+ * once are the window's reads per second times the tier's own latency, its
+ * fastest fetch (`floor`, kept across windows and let rise 1% a window so it
+ * follows a tier that got slower; reads under FETCH_MIN_NS were cache hits and
+ * say nothing of it).  Where the window's mean read took more than QUEUED times
+ * that, reads were queueing inside the file system, where no request can
+ * overtake another: the depth comes down to what was served, plus headroom, and
+ * the backlog waits here instead, where the most urgent file goes first
+ * (schedule.c).  Jitter alone keeps the mean well under QUEUED times the floor.
+ * Where the queue in the tier is other readers' (the consumers fetching what was
+ * not warmed), the root yields them its place: a consumer's read is the one a
+ * GPU waits on now.
  */
 #include "queue.h"
 
@@ -46,6 +51,7 @@
 #define STALL_FACTOR 20          /* ... or 20 times the root's service time */
 #define FETCH_MIN_NS 1000000     /* a read faster than 1 ms was a cache hit, not a fetch */
 #define QUEUED 2.0               /* mean over fastest fetch: reads queued in the tier */
+#define FLOOR_RISE 1.01          /* the remembered fastest fetch may rise 1% a window */
 
 void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max)
 {
@@ -55,22 +61,26 @@ void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max)
 void kvp_depth_trust(struct kvp_depth *d, uint32_t initial, uint32_t max)
 {
     kvp_depth_init(d, initial, max);
-    d->trusted = 1;
+    d->trusted = 1;  /* for good: its windows check what the tier serves */
 }
 
-/* A trusted start's first full window: down to what the tier served at once,
- * when reads queued inside it. */
-static void check_trusted(struct kvp_depth *d, double rate, int64_t mean)
+/* A trusted root's window: down to what the tier served at once, when reads
+ * queued inside it.  1 when it came down. */
+static int cap_to_served(struct kvp_depth *d, double rate, int64_t mean)
 {
-    d->trusted = 0;
-    double served = rate * (double)d->window_min_ns / 1e9;
-    if (d->window_min_ns > 0 && (double)mean > QUEUED * (double)d->window_min_ns
+    if (d->window_min_ns > 0)
+        d->floor_ns = d->floor_ns > 0 && (double)d->floor_ns * FLOOR_RISE < (double)d->window_min_ns
+                          ? (int64_t)((double)d->floor_ns * FLOOR_RISE) : d->window_min_ns;
+    double served = rate * (double)d->floor_ns / 1e9;
+    if (d->floor_ns > 0 && (double)mean > QUEUED * (double)d->floor_ns
         && served * HEADROOM < d->limit) {
         d->limit = served * HEADROOM;
         d->slow_start = 0;
         d->best_rate = rate;
         d->best_depth = d->limit;
+        return 1;
     }
+    return 0;
 }
 
 uint32_t kvp_depth_limit(const struct kvp_depth *d)
@@ -111,8 +121,8 @@ static void close_window(struct kvp_depth *d, int64_t now)
         d->history_n++;
     d->rtt_ns = mean;
     d->best_rate *= FORGET;
-    if (d->trusted && d->window_n >= 4) {
-        check_trusted(d, rate, mean);  /* backlog or not: reads queued in the tier or not */
+    if (d->trusted && d->window_n >= 4 && cap_to_served(d, rate, mean)) {
+        /* reads queued in the tier, backlog here or not: fewer in flight */
     } else if (informative) {
         if (rate > d->best_rate * GAIN || base == 0 || mean <= base * RISE_TOLERANCE) {
             if (rate > d->best_rate) {

@@ -66,15 +66,13 @@
 static void *thread_main(void *arg);
 static void *lane_main(void *arg);
 
-/* ---- lists (schedule.c): pending per root and in the lane, running, done ---- */
-#define push kvp_list_push
-#define unlink_item kvp_list_unlink
+/* Lists (schedule.c's kvp_list_*): pending per root and in the lane, running, done. */
 
 /* The completion list went from empty to not: wake the reaper's poll. */
 static void done_push(struct kvp_queue *q, struct qitem *it)
 {
     int was_empty = q->done.n == 0;
-    push(&q->done, it);
+    kvp_list_push(&q->done, it);
     if (was_empty) {
         uint64_t one = 1;
         ssize_t w = write(q->efd, &one, sizeof one);
@@ -134,7 +132,7 @@ static int backlog_of(const struct kvp_queue *q, const struct qitem *qi)
 static void unpend(struct kvp_queue *q, struct qitem *qi)
 {
     if (qi->other_mount)
-        unlink_item(&q->lane.pending, qi);
+        kvp_list_unlink(&q->lane.pending, qi);
     else
         kvp_sched_unlink(&q->roots[qi->root], qi);
 }
@@ -184,7 +182,7 @@ static void lane_take(struct kvp_queue *q, struct qitem *qi)
         return;
     }
     q->deadlines += qi->it.deadline_ns > 0;
-    push(&l->pending, qi);
+    kvp_list_push(&l->pending, qi);
     lane_spawn(q);
     pthread_cond_signal(&q->lane_work);
 }
@@ -265,7 +263,7 @@ static struct qitem *take_next(struct kvp_queue *q, int lane)
         return next_item(q);
     if (!(qi = q->lane.pending.head))
         return NULL;
-    unlink_item(&q->lane.pending, qi);
+    kvp_list_unlink(&q->lane.pending, qi);
     return qi;
 }
 
@@ -301,7 +299,7 @@ static void serve(struct kvp_queue *q, int lane)
         (*running)++;
         q->busy += !lane;
         qi->started = now_ns();
-        push(&q->running, qi);
+        kvp_list_push(&q->running, qi);
         if (lane)
             lane_spawn(q);
         else
@@ -312,7 +310,7 @@ static void serve(struct kvp_queue *q, int lane)
 
         int64_t finished = now_ns();
         pthread_mutex_lock(&q->mu);
-        unlink_item(&q->running, qi);
+        kvp_list_unlink(&q->running, qi);
         (*running)--;
         q->busy -= !lane;
         if (qi->stalled)
@@ -378,7 +376,7 @@ void kvp_queue_free(struct kvp_queue *q)
         return;
     while (q->done.head) {
         struct qitem *it = q->done.head;
-        unlink_item(&q->done, it);
+        kvp_list_unlink(&q->done, it);
         free(it);
     }
     for (uint32_t i = 0; i < q->nroots; i++)
@@ -386,13 +384,13 @@ void kvp_queue_free(struct kvp_queue *q)
             struct qlist *l = &q->roots[i].clients[c].pending;
             while (l->head) {
                 struct qitem *it = l->head;
-                unlink_item(l, it);
+                kvp_list_unlink(l, it);
                 free(it);
             }
         }
     while (q->lane.pending.head) {
         struct qitem *it = q->lane.pending.head;
-        unlink_item(&q->lane.pending, it);
+        kvp_list_unlink(&q->lane.pending, it);
         free(it);
     }
     pthread_attr_destroy(&q->attr);
@@ -501,7 +499,7 @@ size_t kvp_queue_reap(struct kvp_queue *q, struct kvp_done *out, size_t max)
     pthread_mutex_lock(&q->mu);
     while (n < max && q->done.head) {
         struct qitem *qi = q->done.head;
-        unlink_item(&q->done, qi);
+        kvp_list_unlink(&q->done, qi);
         out[n++] = (struct kvp_done){ qi->tag, qi->it.outcome, qi->it.err, qi->it.size, qi->it.done,
                                       qi->held_fd };
         free(qi);
@@ -607,7 +605,7 @@ void kvp_queue_tick(struct kvp_queue *q)
     if (lane_stuck(l))
         while (l->pending.head) {
             struct qitem *qi = l->pending.head;
-            unlink_item(&l->pending, qi);
+            kvp_list_unlink(&l->pending, qi);
             q->deadlines -= qi->it.deadline_ns > 0;
             lane_refuse(q, qi);
         }

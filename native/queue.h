@@ -30,8 +30,9 @@ struct kvp_depth {
     int64_t rtt_ns;        /* the last window's mean service time */
     double best_rate;      /* the most reads per second a window has seen (decaying) */
     double best_depth;     /* the depth that window ran at */
-    int64_t window_min_ns; /* the window's fastest read: the tier's own latency */
-    int trusted;           /* started at a depth the root's profile gave, not measured */
+    int64_t window_min_ns; /* the window's fastest fetch (1 ms or more) */
+    int64_t floor_ns;      /* the fastest fetch remembered: the tier's own latency */
+    int trusted;           /* a remote root, started at the depth its profile gave */
 };
 
 void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max);
