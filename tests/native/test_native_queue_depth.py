@@ -1,9 +1,9 @@
 """A root started at a depth its tier profile trusts (native/depthctl.c), on the simulator.
 
 No ramp: the start holds where the tier serves that many fetches at once. Where it serves
-fewer (fetch slots, an AFM gateway's threads), the first full window brings the depth down
-to what was served (Little's law), so reads wait in the daemon, where a newer request can
-overtake them, not inside the file system.
+fewer (fetch slots, an AFM gateway's threads), its windows bring the depth down to what was
+served (Little's law), so reads wait in the daemon, where a more urgent file can overtake
+them, not inside the file system.
 """
 
 from __future__ import annotations
