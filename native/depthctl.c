@@ -68,9 +68,6 @@ void kvp_depth_trust(struct kvp_depth *d, uint32_t initial, uint32_t max)
  * queued inside it.  1 when it came down. */
 static int cap_to_served(struct kvp_depth *d, double rate, int64_t mean)
 {
-    if (d->window_min_ns > 0)
-        d->floor_ns = d->floor_ns > 0 && (double)d->floor_ns * FLOOR_RISE < (double)d->window_min_ns
-                          ? (int64_t)((double)d->floor_ns * FLOOR_RISE) : d->window_min_ns;
     double served = rate * (double)d->floor_ns / 1e9;
     if (d->floor_ns > 0 && (double)mean > QUEUED * (double)d->floor_ns
         && served * HEADROOM < d->limit) {
@@ -91,6 +88,11 @@ uint32_t kvp_depth_limit(const struct kvp_depth *d)
 int64_t kvp_depth_rtt_ns(const struct kvp_depth *d)
 {
     return d->rtt_ns;
+}
+
+int64_t kvp_depth_fetch_ns(const struct kvp_depth *d)
+{
+    return d->floor_ns > 0 && d->floor_ns < d->rtt_ns ? d->floor_ns : d->rtt_ns;
 }
 
 int64_t kvp_depth_stall_ns(const struct kvp_depth *d)
@@ -120,6 +122,9 @@ static void close_window(struct kvp_depth *d, int64_t now)
     if (d->history_n < KVP_DEPTH_HISTORY)
         d->history_n++;
     d->rtt_ns = mean;
+    if (d->window_min_ns > 0)  /* the fastest fetch, let rise 1% a window */
+        d->floor_ns = d->floor_ns > 0 && (double)d->floor_ns * FLOOR_RISE < (double)d->window_min_ns
+                          ? (int64_t)((double)d->floor_ns * FLOOR_RISE) : d->window_min_ns;
     d->best_rate *= FORGET;
     if (d->trusted && d->window_n >= 4 && cap_to_served(d, rate, mean)) {
         /* reads queued in the tier, backlog here or not: fewer in flight */
