@@ -90,10 +90,6 @@ int64_t kvp_depth_rtt_ns(const struct kvp_depth *d)
     return d->rtt_ns;
 }
 
-int64_t kvp_depth_fetch_ns(const struct kvp_depth *d)
-{
-    return d->floor_ns > 0 && d->floor_ns < d->rtt_ns ? d->floor_ns : d->rtt_ns;
-}
 
 int64_t kvp_depth_stall_ns(const struct kvp_depth *d)
 {

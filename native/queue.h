@@ -48,9 +48,6 @@ void kvp_depth_sample(struct kvp_depth *d, int64_t service_ns, uint32_t in_fligh
  * root's depth, so a hung tier cannot hold every slot. */
 int64_t kvp_depth_stall_ns(const struct kvp_depth *d);
 int64_t kvp_depth_rtt_ns(const struct kvp_depth *d);
-/* How long a read started now should take: the tier's own latency (the fastest
- * fetch remembered) where it knows one, else the last window's mean. */
-int64_t kvp_depth_fetch_ns(const struct kvp_depth *d);
 
 /* ---- queue.c ------------------------------------------------------------ */
 struct qitem {

@@ -14,9 +14,12 @@
  *   apart, later ones share the last slot.
  * - Within a client, files with a deadline go first, earliest deadline first,
  *   but only those that can still be read in time: one whose deadline is nearer
- *   than a read takes on the root (its fastest fetch, else its mean read:
- *   depthctl.c) would be late however soon it started, so every file that can
- *   still make it goes before it.
+ *   than a read takes on the root now (the last window's mean: depthctl.c)
+ *   would be late however soon it started, so every file that can still make
+ *   it goes before it.  The mean, not the tier's fastest fetch: where other
+ *   readers queue in the tier too, a file judged by the fastest fetch is read
+ *   first (its deadline is nearest) and is late all the same, and so, in turn,
+ *   is the file that waited for it (measured: docs/bench/replay.md).
  * - Then the files without a deadline, the newest request first and each
  *   request's files in their own order: the newest request is the one whose
  *   consumer is furthest from reading.  Group 0 (a caller that names no request)
@@ -164,7 +167,7 @@ static struct qitem *pick(struct qclient *c, int64_t now, int64_t service_ns)
 
 struct qitem *kvp_sched_take(struct qroot *r, int64_t now)
 {
-    int64_t service_ns = kvp_depth_fetch_ns(&r->depth);
+    int64_t service_ns = kvp_depth_rtt_ns(&r->depth);
     for (uint32_t k = 0; k < r->nclients; k++) {
         uint32_t i = (r->turn + k) % r->nclients;
         struct qclient *c = &r->clients[i];
