@@ -68,7 +68,12 @@ void kvp_depth_trust(struct kvp_depth *d, uint32_t initial, uint32_t max)
  * queued inside it.  1 when it came down. */
 static int cap_to_served(struct kvp_depth *d, double rate, int64_t mean)
 {
+    /* A window served what it was asked, not what the tier can: at a light load,
+     * or while other readers hold the tier, the most the tier has served at once
+     * lately is what it serves (forgotten as slowly as the best rate). */
     double served = rate * (double)d->floor_ns / 1e9;
+    d->best_served = MAX(d->best_served * FORGET, served);
+    served = d->best_served;
     if (d->floor_ns > 0 && (double)mean > QUEUED * (double)d->floor_ns
         && served * HEADROOM < d->limit) {
         d->limit = served * HEADROOM;

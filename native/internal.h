@@ -19,6 +19,7 @@
 #define KVP_RETRIES 8                 /* EAGAIN from openat2 or a read before FAILED */
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 #include <time.h>
 static inline int64_t kvp_now_ns(void)

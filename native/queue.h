@@ -32,6 +32,7 @@ struct kvp_depth {
     double best_depth;     /* the depth that window ran at */
     int64_t window_min_ns; /* the window's fastest fetch (1 ms or more) */
     int64_t floor_ns;      /* the fastest fetch remembered: the tier's own latency */
+    double best_served;    /* the most reads the tier served at once lately (decaying) */
     int trusted;           /* a remote root, started at the depth its profile gave */
 };
 
