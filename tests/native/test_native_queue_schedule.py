@@ -68,6 +68,14 @@ class Queue:
         assert lib.kvp_queue_submit(self.queue, batch.items, ffi.new("uint64_t[]", tags),
                                     batch.n) == batch.n
 
+    def hold_the_thread(self, root_fd: int, *, group: int, client: int) -> None:
+        """Submit gate/g and wait until the one thread is in its held read."""
+        self.submit(root_fd, ["gate/g"], group=group, client=client)
+        deadline = time.monotonic() + 10
+        while self.stats().running < 1:
+            assert time.monotonic() < deadline, "the gate's read never started"
+            time.sleep(0.01)
+
     def stats(self) -> Any:
         stats = ffi.new("struct kvp_queue_stats *")
         lib.kvp_queue_stats(self.queue, stats)
@@ -96,11 +104,7 @@ def test_clients_take_turns_deadlines_first_then_the_newest_request(
     root_fd = open_root(mountpoint)
     try:
         queue = Queue()
-        queue.submit(root_fd, ["gate/g"], group=1, client=1)
-        deadline = time.monotonic() + 10
-        while queue.stats().running < 1:  # the one thread is in the held read
-            assert time.monotonic() < deadline, "the gate's read never started"
-            time.sleep(0.01)
+        queue.hold_the_thread(root_fd, group=1, client=1)
         submitted = time.monotonic_ns()
         queue.submit(root_fd, files("a"), group=2, client=1)  # older, no deadline
         queue.submit(root_fd, files("b"), group=3, client=1)  # newer, no deadline
@@ -128,11 +132,7 @@ def test_a_file_too_late_to_make_its_deadline_waits_for_those_that_can(
     root_fd = open_root(mountpoint)
     try:
         queue = Queue()
-        queue.submit(root_fd, ["gate/g"], group=1, client=1)
-        deadline = time.monotonic() + 10
-        while queue.stats().running < 1:
-            assert time.monotonic() < deadline, "the gate's read never started"
-            time.sleep(0.01)
+        queue.hold_the_thread(root_fd, group=1, client=1)
         submitted = time.monotonic_ns()
         queue.submit(root_fd, files("b"), group=2, client=1)
         queue.submit(root_fd, files("f")[:1], group=3, client=1,
@@ -154,11 +154,7 @@ def test_without_groups_or_clients_the_queue_is_first_come_first_served(
     root_fd = open_root(mountpoint)
     try:
         queue = Queue()
-        queue.submit(root_fd, ["gate/g"], group=0, client=0)
-        deadline = time.monotonic() + 10
-        while queue.stats().running < 1:
-            assert time.monotonic() < deadline, "the gate's read never started"
-            time.sleep(0.01)
+        queue.hold_the_thread(root_fd, group=0, client=0)
         for letter in "abc":
             queue.submit(root_fd, files(letter), group=0, client=0)
         tier.release()
