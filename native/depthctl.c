@@ -31,12 +31,12 @@
  * follows a tier that got slower; reads under FETCH_MIN_NS were cache hits and
  * say nothing of it).  Where the window's mean read took more than QUEUED times
  * that, reads were queueing inside the file system, where no request can
- * overtake another: the depth comes down to what was served, plus headroom, and
- * the backlog waits here instead, where the most urgent file goes first
- * (schedule.c).  Jitter alone keeps the mean well under QUEUED times the floor.
+ * overtake another: the depth comes down to the most the tier has served at once
+ * lately, plus headroom, and the backlog waits here instead, where the most
+ * urgent file goes first (schedule.c).  Jitter alone keeps the mean well under QUEUED times the floor.
  * Where the queue in the tier is other readers' (the consumers fetching what was
- * not warmed), the root yields them its place: a consumer's read is the one a
- * GPU waits on now.
+ * not warmed), the root keeps what the tier served it at best, and no more: a
+ * consumer's read is the one a GPU waits on now.
  */
 #include "queue.h"
 
