@@ -10,7 +10,7 @@ at start, 64 files took 225 ms instead of about one fetch. On the slow-tier simu
 - primed-N: a daemon that first warmed `--prime` files at depth (then made cold again), one
   `wait` request of N files;
 - idle-N: the primed daemon again after `--idle-s` seconds without work;
-- pool-N: N threads, one file each, reading the head (POSIX_FADV_RANDOM, pread): the
+- pool-N: N standing threads reading one head each (warmup_tools.warm_pool): the
   same-run peer, which shows this machine's floor for N heads through FUSE (its copy
   bandwidth: 64 heads of 1 MiB are 64 MiB through the kernel and the simulator).
 
@@ -28,19 +28,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from warmup_tools import warm_pool
 
 import tiersim
 from kvharness.daemon import Daemon, start_config
@@ -50,26 +50,13 @@ TARGETS = {"fresh_over_primed": 1.2, "small_over_fetch": 1.3}
 HEAD = 1 << 20  # each file's size: one chunk of the simulator
 
 
-def read_head(path: str, head: int) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        done = 0
-        while done < head:
-            got = len(os.pread(fd, head - done, done))
-            if not got:
-                break
-            done += got
-    finally:
-        os.close(fd)
-
-
 def pool_burst(paths: list[str], head: int) -> float:
-    """Seconds for len(paths) threads to read one head each."""
-    with ThreadPoolExecutor(len(paths)) as pool:
-        start = time.perf_counter()
-        list(pool.map(lambda path: read_head(path, head), paths))
-        return time.perf_counter() - start
+    """Seconds for len(paths) standing threads to read one head each (the warm-up
+    suite's pypool-N, warmup_tools.warm_pool), every head read whole."""
+    run = warm_pool(paths, head, len(paths))
+    if not run["ok"]:
+        raise RuntimeError(f"pool of {len(paths)}: {run['detail']}")
+    return float(run["seconds"])
 
 
 def make_backing(root: Path, files: int) -> list[str]:
