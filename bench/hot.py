@@ -99,7 +99,7 @@ def probe_cpu(paths: Sequence[str], args: argparse.Namespace, rule: str) -> tupl
     share: half of --wait-paths names, as 2 workers each get); and how many it found
     resident (all of them, or the figure is not only the hot path's)."""
     from kvprefetchd.native import load_native
-    from kvprefetchd.probe import Prober
+    from kvprefetchd.worker.probe import Prober
 
     native = load_native()
     root = os.open(args.base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -20,10 +20,10 @@ from kvprefetchd.config import (
     load_file,
 )
 from kvprefetchd.engines import NoEngine
-from kvprefetchd.listening import SocketInUse
+from kvprefetchd.listeners.listening import SocketInUse
+from kvprefetchd.listeners.tcp import TlsSetupError
 from kvprefetchd.logs import setup_logging
-from kvprefetchd.supervisor import HaltError, Supervisor
-from kvprefetchd.tcp import TlsSetupError
+from kvprefetchd.supervisor.loop import HaltError, Supervisor
 
 EXIT_CONFIG = 2
 EXIT_HALTED = 1

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetchd.kv import KVError, Profile
-from kvprefetchd.tiers import WARM_EXTENTS
+from kvprefetchd.roots.tiers import WARM_EXTENTS
 
 ENGINES = ("auto", "io_uring", "fadvise", "pread")
 WARM_MODES = ("read", "advise")

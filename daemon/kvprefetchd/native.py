@@ -9,7 +9,7 @@ It also reads the header's constants once, so Python never copies them: each
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class NativeUnavailable(RuntimeError):
@@ -26,6 +26,14 @@ def header_constants(lib: Any, prefix: str) -> dict[str, int]:
     }
 
 
+class EngineRow(NamedTuple):
+    """A row of C's engine table (kvp_engines): every engine, of either kind."""
+
+    engine: str
+    warm_mode: str
+    queued: bool  # run by the asynchronous queue (kvp_queue_new), else in batches (kvp_ctx_new)
+
+
 class Native:
     def __init__(self, ffi: Any, lib: Any) -> None:
         self.ffi = ffi
@@ -37,12 +45,19 @@ class Native:
         # Residency rule name (config: off, tier, pagecache) -> KVP_RES_* code.
         self.rule_codes = header_constants(lib, "RES")
 
-    def engines(self) -> list[tuple[str, str]]:
-        """The C engine table as (engine, warm mode) pairs, in its order (kvp_engines)."""
+    def engines(self) -> list[EngineRow]:
+        """The C engine table, in its order (kvp_engines)."""
         count = self.lib.kvp_engines(self.ffi.NULL, 0)
         table = self.ffi.new("struct kvp_engine_name[]", count)
         self.lib.kvp_engines(table, count)
-        return [(self._text(entry.engine), self._text(entry.warm_mode)) for entry in table]
+        return [EngineRow(self._text(entry.engine), self._text(entry.warm_mode),
+                          bool(entry.queued)) for entry in table]
+
+    def engine_queued(self, engine: str, warm_mode: str) -> bool:
+        """Whether C's table runs (engine, warm mode) in the queue; False for a batch engine
+        and for a pair it does not have (which kvp_ctx_new then refuses: EINVAL)."""
+        return any(row.queued for row in self.engines()
+                   if (row.engine, row.warm_mode) == (engine, warm_mode))
 
     def engine_unavailable(self, engine: str, warm_mode: str) -> str | None:
         """None when the C table's (engine, warm mode) can run here, else why not."""

@@ -31,7 +31,7 @@ import msgpack
 from kvharness.wire import FrameSplitter, frame, split_frames, unpack
 from kvprefetchd.config import Config
 from kvprefetchd.protocol import RequestError, decode_payload
-from kvprefetchd.supervisor import Supervisor
+from kvprefetchd.supervisor.loop import Supervisor
 
 # docs/protocol.md, "Errors"; `internal` is documented but is a bug when a request causes it.
 CODES = frozenset({"bad_request", "unsupported_version", "unknown_op", "too_large",

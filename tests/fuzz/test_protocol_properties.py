@@ -30,7 +30,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvharness.wire import frame
-from kvprefetchd.confine import Roots
 from kvprefetchd.protocol import (
     BAD_REQUEST,
     DAY_MS,
@@ -46,6 +45,7 @@ from kvprefetchd.protocol import (
     encode_frame,
     parse_request,
 )
+from kvprefetchd.roots.confine import Roots
 from protocol_target import (
     ROOT,
     SMALL_LIMITS,

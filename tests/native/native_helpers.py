@@ -40,26 +40,26 @@ OUTCOMES = {
 }
 
 
-def engine_table() -> list[tuple[str, str]]:
-    """C's own engine table (kvp_engines): (engine, warm mode) per row."""
+def engine_table() -> list[tuple[str, str, bool]]:
+    """C's own engine table (kvp_engines): (engine, warm mode, queued) per row."""
     count = lib.kvp_engines(ffi.NULL, 0)
     table = ffi.new("struct kvp_engine_name[]", count)
     assert lib.kvp_engines(table, count) == count
-    return [(ffi.string(e.engine).decode(), ffi.string(e.warm_mode).decode()) for e in table]
+    return [(ffi.string(e.engine).decode(), ffi.string(e.warm_mode).decode(), bool(e.queued))
+            for e in table]
 
 
-# The queue's engines (native/queue.c), beside the rows of C's batch table.
-QUEUED = {("pread", "read"), ("fadvise", "advise")}
+# The rows C runs in its queue (native/queue.c), as C's table says: the others are batch
+# engines (kvp_ctx_new).
+QUEUED = {(e, m) for e, m, queued in engine_table() if queued}
 
 
 def _engines_to_test() -> dict[str, tuple[str, str, int]]:
-    """Test name -> (engine, warm mode, threads): the queue's two engines (one thread, and
-    pread with 4), and every row of C's table (one thread, two for the io_uring advice
-    engine's confirm)."""
+    """Test name -> (engine, warm mode, threads): every row of C's table (one thread, two
+    for the io_uring advice engine's confirm), and pread's queue with 4 threads."""
     rows = {f"{e}-{m}": (e, m, 2 if (e, m) == ("io_uring", "advise") else 1)
-            for e, m in engine_table()}
-    queued = {f"{e}-{m}": (e, m, 1) for e, m in sorted(QUEUED)}
-    return {**queued, "pread-read-t4": ("pread", "read", 4), **rows}
+            for e, m, _ in engine_table()}
+    return {**rows, "pread-read-t4": ("pread", "read", 4)}
 
 
 ENGINES = _engines_to_test()
@@ -67,8 +67,6 @@ ENGINES = _engines_to_test()
 
 def engine_unavailable(engine: str, warm_mode: str) -> str | None:
     """None when the engine can run here, else kvp_engine_probe's reason."""
-    if (engine, warm_mode) in QUEUED:
-        return None
     why = ffi.new("char[]", 256)
     if lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, len(why)):
         return None
@@ -131,12 +129,15 @@ class Batch:
         ]
 
 
-def new_queue(advise: bool, **config: int) -> Any:
-    """kvp_queue_new; the cdata (freed when collected) or OSError."""
-    full = {"advise": int(advise), "fadv_random": 1, "chunk": 65536, "initial_depth": 4,
-            "max_threads": 4, "timeout_ns": 0}
+def new_queue(engine: str = "pread", warm_mode: str = "read", **config: int) -> Any:
+    """kvp_queue_new for a queue engine of the table; the cdata (freed when collected) or
+    OSError."""
+    names = ffi.new("char[]", engine.encode()), ffi.new("char[]", warm_mode.encode())
+    full = {"fadv_random": 1, "chunk": 65536, "initial_depth": 4, "max_threads": 4,
+            "timeout_ns": 0}
     full.update(config)
     cfg = ffi.new("struct kvp_queue_config *", full)
+    cfg.engine, cfg.warm_mode = names
     err = ffi.new("int *")
     queue = lib.kvp_queue_new(cfg, err)
     if queue == ffi.NULL:
@@ -182,7 +183,7 @@ class Ctx:
         self.queue: Any = None
         self.ctx: Any = None
         if (name, warm_mode) in QUEUED:
-            self.queue = new_queue(warm_mode == "advise", fadv_random=fadv_random, chunk=chunk,
+            self.queue = new_queue(name, warm_mode, fadv_random=fadv_random, chunk=chunk,
                                    initial_depth=count, max_threads=count)
             if fallback:
                 lib.kvp_queue_force_fallback(self.queue, fallback)

@@ -34,7 +34,7 @@ from kvprefetchd.engines import (
 )
 from kvprefetchd.engines.base import EngineSettings, WarmItem
 from kvprefetchd.native import NativeUnavailable, load_native
-from kvprefetchd.residency import RootRule
+from kvprefetchd.roots.residency import RootRule
 
 PROTOCOL = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 SETTINGS = EngineSettings(64 * KiB, 8, 2, True, 16, 32)
@@ -47,10 +47,8 @@ def uring_ok() -> bool:
 
 def test_every_row_of_either_table_meets_the_other() -> None:
     served = {spec for modes in ENGINE_TABLE.values() for spec in modes.values()}
-    batch = {(s.name, s.warm_mode) for s in served if not s.queued}
-    assert batch == set(load_native().engines())
-    assert {(s.name, s.warm_mode) for s in served if s.queued} == {
-        ("pread", "read"), ("fadvise", "advise")}
+    assert {(s.name, s.warm_mode) for s in served} == {
+        (row.engine, row.warm_mode) for row in load_native().engines()}
     assert all(set(modes) == set(WARM_MODES) for modes in ENGINE_TABLE.values())
     assert set(AUTO_ORDER) == set(WARM_MODES)
     assert all(name in ENGINE_TABLE for order in AUTO_ORDER.values() for name in order)
@@ -65,6 +63,20 @@ def test_an_explicit_name_is_its_one_candidate(name: str, warm_mode: str) -> Non
             engine_candidates(name, warm_mode)
     else:
         assert engine_candidates(name, warm_mode) == (spec,)
+
+
+def test_c_lists_the_queue_engines_and_answers_for_them() -> None:
+    """pread and fadvise are rows of C's one table: C says they are the queue's and that
+    they can run here; the registry asks, it has no case of its own for them."""
+    rows = load_native().engines()
+    assert [row for row in rows if row.queued] == [("pread", "read", True),
+                                                    ("fadvise", "advise", True)]
+    assert {(row.engine, row.warm_mode) for row in rows if not row.queued} == {
+        ("io_uring", "read"), ("io_uring", "advise")}
+    assert PREAD.queued and FADVISE.queued
+    assert not URING_READ.queued and not URING_ADVISE.queued and not GHOST.queued
+    assert PREAD.unavailable_reason() is None and FADVISE.unavailable_reason() is None
+    assert load_native().engine_unavailable("pread", "read") is None
 
 
 def test_the_substitutes_for_a_missing_form() -> None:

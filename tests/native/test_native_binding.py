@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,9 @@ from native_helpers import (
 from kvharness.pagecache import pinned
 from kvprefetchd._native import ffi, lib
 
-# C's batch table; pread and fadvise are the queue (native/queue.c), not rows of it.
-TABLE = [("io_uring", "read"), ("io_uring", "advise")]
+# C's one engine table: the queue's engines (native/queue.c), then the batch engines.
+TABLE = [("pread", "read", True), ("fadvise", "advise", True), ("io_uring", "read", False),
+         ("io_uring", "advise", False)]
 
 
 def test_import_constants_and_a_call() -> None:
@@ -40,11 +42,12 @@ def test_the_engine_table_lists_every_engine_once() -> None:
     # A short array gets the first rows; the count is the whole table's either way.
     one = ffi.new("struct kvp_engine_name[]", 1)
     assert lib.kvp_engines(one, 1) == len(TABLE)
-    assert (ffi.string(one[0].engine), ffi.string(one[0].warm_mode)) == (b"io_uring", b"read")
+    assert (ffi.string(one[0].engine), ffi.string(one[0].warm_mode), one[0].queued) == (
+        b"pread", b"read", 1)
 
 
-@pytest.mark.parametrize(("engine", "warm_mode"), TABLE)
-def test_engine_probe_reports_a_reason(engine: str, warm_mode: str) -> None:
+@pytest.mark.parametrize(("engine", "warm_mode", "queued"), TABLE)
+def test_engine_probe_reports_a_reason(engine: str, warm_mode: str, queued: bool) -> None:
     why = ffi.new("char[]", 128)
     ok = lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, 128)
     text = ffi.string(why).decode()
@@ -54,20 +57,36 @@ def test_engine_probe_reports_a_reason(engine: str, warm_mode: str) -> None:
     assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), small, 4) == ok
     assert len(ffi.string(small)) <= 3
     assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), ffi.NULL, 0) == ok
+    if queued:  # pread(2) and posix_fadvise(2): nothing here refuses them
+        assert ok == 1
+
+
+@pytest.mark.parametrize(("engine", "warm_mode", "queued"), TABLE)
+def test_each_kind_is_made_by_its_own_constructor(engine: str, warm_mode: str,
+                                                  queued: bool) -> None:
+    """A queue engine makes a queue and no batch context; a batch engine the reverse: both
+    refuse the other kind with EINVAL, as they refuse a name the table lacks."""
+    wrong = new_ctx if queued else new_queue
+    with pytest.raises(OSError) as refused:
+        wrong(engine, warm_mode)
+    assert refused.value.errno == errno.EINVAL
+    if queued:
+        assert new_queue(engine, warm_mode) is not None
 
 
 @pytest.mark.parametrize(
     ("engine", "warm_mode"),
-    [("nope", "read"), ("pread", "read"), ("fadvise", "advise"), ("io_uring", "write"),
+    [("nope", "read"), ("pread", "advise"), ("fadvise", "read"), ("io_uring", "write"),
      ("", ""), ("IO_URING", "read")],
 )
 def test_an_unknown_engine_is_refused(engine: str, warm_mode: str) -> None:
     why = ffi.new("char[]", 128)
     assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, 128) == 0
     assert f"no engine {engine} with warm mode {warm_mode}" == ffi.string(why).decode()
-    with pytest.raises(OSError) as refused:
-        new_ctx(engine, warm_mode)
-    assert refused.value.errno == errno.EINVAL
+    for make in (new_ctx, new_queue):
+        with pytest.raises(OSError) as refused:
+            make(engine, warm_mode)
+        assert refused.value.errno == errno.EINVAL
 
 
 def test_a_null_engine_name_is_refused() -> None:
@@ -77,6 +96,10 @@ def test_a_null_engine_name_is_refused() -> None:
     cfg = ffi.new("struct kvp_config *", {"chunk": 65536, "max_open": 8, "threads": 1})
     err = ffi.new("int *")
     assert lib.kvp_ctx_new(cfg, err) == ffi.NULL
+    assert err[0] == errno.EINVAL
+    queue_cfg = ffi.new("struct kvp_queue_config *",
+                        {"chunk": 65536, "initial_depth": 1, "max_threads": 1})
+    assert lib.kvp_queue_new(queue_cfg, err) == ffi.NULL
     assert err[0] == errno.EINVAL
 
 
@@ -123,14 +146,14 @@ def test_empty_batch_and_null_ctx() -> None:
 )
 def test_queue_new_rejects_bad_config(cfg: dict[str, int]) -> None:
     with pytest.raises(OSError) as refused:
-        new_queue(False, **cfg)
+        new_queue(**cfg)
     assert refused.value.errno == errno.EINVAL
     err = ffi.new("int *")
     assert lib.kvp_queue_new(ffi.NULL, err) == ffi.NULL and err[0] == errno.EINVAL
 
 
 def test_an_empty_submission_and_an_idle_queue() -> None:
-    queue = new_queue(False)
+    queue = new_queue()
     assert lib.kvp_queue_submit(queue, ffi.NULL, ffi.NULL, 0) == 0
     out = ffi.new("struct kvp_done[]", 4)
     assert lib.kvp_queue_reap(queue, out, 4) == 0
@@ -193,3 +216,13 @@ def test_uring_engines_need_liburing(warm_mode: str) -> None:
             assert why is not None, f"ring setup refused although the probe passed: {error}"
     else:
         assert why is None, f"a ring was set up although the probe said: {why}"
+
+
+def test_prefetch_c_maps_every_native_file() -> None:
+    """prefetch.c's header comment is the map of native/: every C file and header, and
+    nothing that is not there."""
+    native = Path(__file__).resolve().parents[2] / "native"
+    head = (native / "prefetch.c").read_text().split("*/", 1)[0]
+    listed = re.findall(r"^ \*   (\w+\.[ch]) ", head, re.MULTILINE)
+    assert len(listed) == len(set(listed))
+    assert set(listed) == {p.name for p in native.iterdir() if p.suffix in (".c", ".h")}

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
+from typing import Any
 
-from native_helpers import Ctx, KiB, Result, assert_warm, evict, write_file
+from native_helpers import Batch, Ctx, KiB, Result, assert_warm, evict, new_queue, run_queue, write_file
 
-from kvprefetchd._native import lib
+from kvprefetchd._native import ffi, lib
 
 
 def _tree(root: Path, outside: Path) -> None:
@@ -75,3 +77,37 @@ def test_socket_under_the_walk(engine: str, root, monkeypatch) -> None:
     finally:
         sock.close()
     assert [(r.outcome, r.err) for r in res] == [("REJECTED", "ENODEV")]
+
+
+def test_a_queue_takes_a_fallback_from_another_thread_while_it_serves(root: Any) -> None:
+    """kvp_queue_force_fallback may be called from any thread while the queue's own threads
+    open files (the flags are atomics, internal.h): here from a second thread, with a burst
+    in flight. Every file of the burst settles by one walk or the other, and from then on the
+    queue's threads walk (a symlink inside the root: followed by openat2, refused by the
+    walk). That the store itself is race-free is for a thread sanitizer, not this test."""
+    (root.path / "a" / "b").mkdir(parents=True)
+    names = [f"a/b/f{i}" for i in range(64)]
+    for name in names:
+        write_file(root.path / name, 16 * KiB)
+    os.symlink("b/f0", root.path / "a" / "link_in")
+    queue = new_queue(initial_depth=4, max_threads=4)
+    first = Batch(root.fd, ["a/link_in"], 16 * KiB)
+    run_queue(queue, first)
+    assert [(r.outcome, r.err) for r in first.results()] == [("READ", "")]  # openat2's
+
+    burst = Batch(root.fd, names, 16 * KiB)
+    forcer = threading.Thread(
+        target=lambda: lib.kvp_queue_force_fallback(queue, lib.KVP_FALLBACK_OPENAT2))
+    stats = ffi.new("struct kvp_queue_stats *")
+    lib.kvp_queue_stats(queue, stats)
+    assert stats.threads >= 1  # the queue's threads are alive while the flag is written
+    serving = threading.Thread(target=run_queue, args=(queue, burst))
+    serving.start()
+    forcer.start()
+    forcer.join()
+    serving.join()
+    assert [(r.outcome, r.err) for r in burst.results()] == [("READ", "")] * len(names)
+
+    after = Batch(root.fd, ["a/link_in", "a/b/f1"], 16 * KiB)
+    run_queue(queue, after)
+    assert [(r.outcome, r.err) for r in after.results()] == [("REJECTED", "ELOOP"), ("READ", "")]

@@ -59,7 +59,7 @@ def depths_while_warming(mountpoint: Path) -> tuple[int, int]:
     """(depth at the start, least depth seen while FILES cold files were read) of a root
     started at a trusted depth. The least, not the last: past its first window the depth
     is the hill climb's, which probes upward now and then (depthctl.c)."""
-    queue = new_queue(False, initial_depth=4, max_threads=128)
+    queue = new_queue(initial_depth=4, max_threads=128)
     root_fd = open_root(mountpoint)
     try:
         lib.kvp_queue_root_depth(queue, root_fd, START)

@@ -28,7 +28,7 @@ class Lanes:
     """A queue, the files submitted to it by tag, and their outcomes as reaped."""
 
     def __init__(self, **config: int) -> None:
-        self.queue = new_queue(False, **config)
+        self.queue = new_queue(**config)
         self.out = ffi.new("struct kvp_done[]", 256)
         self.poller = select.poll()
         self.poller.register(lib.kvp_queue_fd(self.queue), select.POLLIN)
@@ -164,7 +164,7 @@ def test_names_waiting_in_the_lane_still_expire_and_time_out(
 
 def test_a_root_starts_at_the_depth_given_it(
         tmp_path: Path) -> None:
-    queue = new_queue(False, initial_depth=16, max_threads=64)
+    queue = new_queue(initial_depth=16, max_threads=64)
     hinted = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
     plain = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
     try:

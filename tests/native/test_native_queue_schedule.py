@@ -51,7 +51,7 @@ class Queue:
     """One queue with one thread; names submitted by tag, outcomes in reaping order."""
 
     def __init__(self) -> None:
-        self.queue = new_queue(False, initial_depth=1, max_threads=1)
+        self.queue = new_queue(initial_depth=1, max_threads=1)
         self.out = ffi.new("struct kvp_done[]", 64)
         self.batches: list[Batch] = []
         self.names: list[str] = []

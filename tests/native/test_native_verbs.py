@@ -137,7 +137,7 @@ def test_the_queue_expires_files_past_their_deadline(root) -> None:
     batch = Batch(root.fd, [p.name for p in paths], 64 * KiB)
     batch.items[1].deadline_ns = 1
     batch.items[3].deadline_ns = time.monotonic_ns() + 60 * 10**9
-    run_queue(new_queue(advise=False), batch)
+    run_queue(new_queue(), batch)
     assert [(r.outcome, r.done) for r in batch.results()] == [
         ("READ", 64 * KiB), ("EXPIRED", 0), ("READ", 64 * KiB), ("READ", 64 * KiB)]
     assert resident(paths[1]) == 0

@@ -8,7 +8,13 @@ catch a fixture that drifts from what the daemon produces.
 from __future__ import annotations
 
 from kvprefetch.stats import Stats
-from kvprefetchd.histogram import ACK_BUCKETS, FILE_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
+from kvprefetchd.metrics.histogram import (
+    ACK_BUCKETS,
+    FILE_BUCKETS,
+    WAIT_BUCKETS,
+    Histogram,
+    Histograms,
+)
 
 
 def realistic_stats() -> Stats:

@@ -17,8 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from stats_sample import realistic_stats
 
 from kvprefetch.stats import Stats, WorkerStats
-from kvprefetchd.exposition import render
-from kvprefetchd.histogram import ACK_BUCKETS, FILE_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
+from kvprefetchd.metrics.exposition import render
+from kvprefetchd.metrics.histogram import (
+    ACK_BUCKETS,
+    FILE_BUCKETS,
+    WAIT_BUCKETS,
+    Histogram,
+    Histograms,
+)
 
 # ---- Histogram -------------------------------------------------------------------------------
 

@@ -31,11 +31,11 @@ from kvprefetchd.config import (
     build_config,
     parse_metrics_address,
 )
-from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, render
-from kvprefetchd.listening import ACCEPT_REST
-from kvprefetchd.metrics_http import ACCEPTS_PER_EVENT, MetricsServer, open_metrics_listener
-from kvprefetchd.metrics_limits import Admission, MetricsLimits
-from kvprefetchd.tokenbucket import TokenBucket
+from kvprefetchd.listeners.listening import ACCEPT_REST
+from kvprefetchd.listeners.tokenbucket import TokenBucket
+from kvprefetchd.metrics.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, render
+from kvprefetchd.metrics.limits import Admission, MetricsLimits
+from kvprefetchd.metrics.server import ACCEPTS_PER_EVENT, MetricsServer, open_metrics_listener
 
 BODY = b"# HELP kvprefetchd_up test\n# TYPE kvprefetchd_up gauge\nkvprefetchd_up 1.0\n"
 # The tests of answers pump many exchanges on a frozen clock: no rate limit, no cache.

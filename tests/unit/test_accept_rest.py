@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvprefetchd.listening import ACCEPT_REST, AcceptRest
+from kvprefetchd.listeners.listening import ACCEPT_REST, AcceptRest
 
 
 def test_an_episode_is_logged_once_at_its_start_and_once_at_its_end(

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvprefetchd.admit import Admission, Admitter, admit
-from kvprefetchd.confine import Roots
+from kvprefetchd.roots.confine import Roots
+from kvprefetchd.supervisor.admit import Admission, Admitter, admit
 
 ROOTS = ("/kv", "/kv/deep", "/data/models")
 TRICKY = [

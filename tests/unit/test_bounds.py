@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from kvprefetchd import kv
 from kvprefetchd.config import Config, ConfigError, build_config
-from kvprefetchd.confine import Roots, canonical
-from kvprefetchd.connection import FREE_INPUT_BYTES, InputPool
-from kvprefetchd.dedup import ENTRY_OVERHEAD_BYTES, RecentlyWarmed
-from kvprefetchd.peers import PRIVILEGED_RESERVE, Peer, Seats
+from kvprefetchd.listeners.connection import FREE_INPUT_BYTES, InputPool
+from kvprefetchd.listeners.peers import PRIVILEGED_RESERVE, Peer, Seats
+from kvprefetchd.listeners.server import Server
 from kvprefetchd.protocol import TOO_LARGE, Limits, RequestError, decode_payload
-from kvprefetchd.server import Server
+from kvprefetchd.roots.confine import Roots, canonical
+from kvprefetchd.worker.dedup import ENTRY_OVERHEAD_BYTES, RecentlyWarmed
 
 HASH = {"algo": "sha256_cbor", "python_hash_seed": "0", "block_size": 16,
         "vllm_version": "0.23.0"}

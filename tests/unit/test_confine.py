@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvprefetchd.confine import Roots
+from kvprefetchd.roots.confine import Roots
 
 ROOTS = Roots(("/kv", "/kv/nested", "/other/"), max_path_bytes=128)
 

@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 
 from kvprefetchd import faults
-from kvprefetchd.admit import Share
-from kvprefetchd.books import Books, Waiter
 from kvprefetchd.channel import ChannelReader, Done
 from kvprefetchd.config import build_config
 from kvprefetchd.engines import PREAD, WarmEngines
 from kvprefetchd.engines.base import MAX_BATCH_BYTES, EngineSettings, WarmItem, next_batch
-from kvprefetchd.histogram import FILE_BUCKETS, Histogram
-from kvprefetchd.pool import WorkerHandle, WorkerPool
-from kvprefetchd.rootset import RootSet
-from kvprefetchd.scout import Scout
-from kvprefetchd.stuck import Stuck
-from kvprefetchd.worker import Worker, WorkerPlan
+from kvprefetchd.metrics.histogram import FILE_BUCKETS, Histogram
+from kvprefetchd.roots.rootset import RootSet
+from kvprefetchd.roots.scout import Scout
+from kvprefetchd.supervisor.admit import Share
+from kvprefetchd.supervisor.books import Books, Waiter
+from kvprefetchd.supervisor.pool import WorkerHandle, WorkerPool
+from kvprefetchd.supervisor.stuck import Stuck
+from kvprefetchd.worker.loop import Worker, WorkerPlan
 
 MIB = 1 << 20
 TIMEOUT = 5.0
@@ -49,7 +49,7 @@ class Patched:
         self.kills: list[tuple[int, int]] = []
         self.spawned: list[int] = []
         self.peers: list[socket.socket] = []
-        monkeypatch.setattr("kvprefetchd.pool.os.kill", self._kill)
+        monkeypatch.setattr("kvprefetchd.supervisor.pool.os.kill", self._kill)
         monkeypatch.setattr(self.pool, "spawn", self.spawned.append)
         for index in range(2):
             ours, theirs = socket.socketpair()

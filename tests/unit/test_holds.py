@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvprefetchd.holds import Holds
 from kvprefetchd.native import load_native
+from kvprefetchd.worker.holds import Holds
 
 
 def open_fds() -> int:

@@ -13,7 +13,7 @@ import pytest
 # One fresh interpreter per case: malloc's threshold is process-wide state.
 PROBE = """
 import ctypes, sys
-from kvprefetchd.worker_process import pin_mmap_threshold
+from kvprefetchd.worker.process import pin_mmap_threshold
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

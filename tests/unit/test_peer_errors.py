@@ -18,10 +18,15 @@ from collections import Counter
 import pytest
 
 from kvprefetchd.config import Config
-from kvprefetchd.connection import Connection
-from kvprefetchd.peer_errors import accept_failed_by_peer, caused_by_peer, describe, would_block
-from kvprefetchd.peers import Peer
-from kvprefetchd.server import Server
+from kvprefetchd.listeners.connection import Connection
+from kvprefetchd.listeners.peer_errors import (
+    accept_failed_by_peer,
+    caused_by_peer,
+    describe,
+    would_block,
+)
+from kvprefetchd.listeners.peers import Peer
+from kvprefetchd.listeners.server import Server
 
 
 def real_ssl_eof() -> ssl.SSLError:

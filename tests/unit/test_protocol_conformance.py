@@ -17,7 +17,7 @@ from kvprefetch import ErrorCode, Outcome
 from kvprefetch.stats import Stats
 from kvprefetchd import protocol
 from kvprefetchd.config import Config
-from kvprefetchd.supervisor import Supervisor
+from kvprefetchd.supervisor.loop import Supervisor
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
@@ -85,7 +85,7 @@ def test_the_python_clients_names_are_the_documents(enum: type, documented: list
 
 def test_every_failure_reason_the_daemon_gives_is_documented() -> None:
     from kvprefetchd import reasons
-    from kvprefetchd.confine import Roots
+    from kvprefetchd.roots.confine import Roots
 
     rows = DOC_TABLES["Failures"]
     documented = {m.group(1) for row in rows if (m := re.fullmatch(r"`([a-z_]+)`", row[0]))}

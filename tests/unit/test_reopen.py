@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvprefetchd.reopen import RECHECK_SECONDS, STRIKES, Verdicts
+from kvprefetchd.worker.reopen import RECHECK_SECONDS, STRIKES, Verdicts
 
 
 def test_a_root_is_dropped_after_strikes_in_a_row_and_kept_at_the_first_warm_look() -> None:

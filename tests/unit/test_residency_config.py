@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvprefetchd.config import Config, ConfigError, build_config, load_file
-from kvprefetchd.residency import choose_rule, filesystem_type, parse_mountinfo
+from kvprefetchd.roots.residency import choose_rule, filesystem_type, parse_mountinfo
 
 MOUNTINFO = """\
 22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw

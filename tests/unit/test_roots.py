@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetchd.roots import RootMissing, RootRefused, Trust, open_root
+from kvprefetchd.roots.opening import RootMissing, RootRefused, Trust, open_root
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 OTHER = 65534  # nobody

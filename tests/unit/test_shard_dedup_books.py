@@ -9,17 +9,17 @@ from array import array
 from collections import Counter
 from typing import Any
 
-from kvprefetchd.admit import Share, admit, shard_of
-from kvprefetchd.books import Books, Waiter, ticket_of
-from kvprefetchd.confine import Roots
-from kvprefetchd.dedup import InFlight, RecentlyWarmed
+from kvprefetchd.roots.confine import Roots
+from kvprefetchd.supervisor.admit import Share, admit, shard_of
+from kvprefetchd.supervisor.books import Books, Waiter, ticket_of
+from kvprefetchd.worker.dedup import InFlight, RecentlyWarmed
 
 
 def test_shard_is_stable_across_processes() -> None:
     names = [f"{i:064x}.bin".encode() for i in range(50)]
     here = [shard_of(0, name, 7) for name in names]
     code = (
-        "from kvprefetchd.admit import shard_of;"
+        "from kvprefetchd.supervisor.admit import shard_of;"
         f"print([shard_of(0, n, 7) for n in {names!r}])"
     )
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

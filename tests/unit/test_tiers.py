@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetchd.residency import rule_of
-from kvprefetchd.tiers import (
+from kvprefetchd.roots.residency import rule_of
+from kvprefetchd.roots.tiers import (
     PROFILES,
     MountFacts,
     fs_cache_dir,
@@ -118,7 +118,7 @@ def test_the_docs_table_says_what_each_profile_says() -> None:
 
 
 def test_a_fuse_root_starts_each_worker_at_its_share_of_max_background() -> None:
-    from kvprefetchd.rootset import RootState
+    from kvprefetchd.roots.rootset import RootState
 
     fuse = rule_of("/mnt/s3", "fuse.s3fs", "auto", facts=MountFacts(max_background=12))
     assert fuse.start_depth == 12
@@ -132,8 +132,8 @@ def test_a_fuse_root_starts_each_worker_at_its_share_of_max_background() -> None
 def test_a_network_root_starts_deep_and_a_local_one_at_initial_depth() -> None:
     """No ramp on a tier whose reads wait on a server (issue 25): its start is trusted
     from the profile; a local root climbs from initial_depth in microseconds."""
-    from kvprefetchd.residency import NETWORK_START_DEPTH
-    from kvprefetchd.rootset import RootState
+    from kvprefetchd.roots.residency import NETWORK_START_DEPTH
+    from kvprefetchd.roots.rootset import RootState
 
     for fstype in ("nfs4", "gpfs", "lustre"):
         rule = rule_of("/mnt/kv", fstype, "auto")

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from kvharness.certs import issue, make_ca, server_cert
-from kvprefetchd import handshakes
-from kvprefetchd.handshakes import Handshake, HandshakeGate, displaced
-from kvprefetchd.listening import Hush, Unforeseen
-from kvprefetchd.tls_identity import identities, trust_of, trusted
+from kvprefetchd.listeners import handshakes
+from kvprefetchd.listeners.handshakes import Handshake, HandshakeGate, displaced
+from kvprefetchd.listeners.listening import Hush, Unforeseen
+from kvprefetchd.listeners.tls_identity import identities, trust_of, trusted
 
 
 class Clock:

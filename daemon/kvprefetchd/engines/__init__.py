@@ -1,11 +1,13 @@
 """Engine registry: one table from the configured engine and a warm mode to a native engine.
 
 Each engine is named by what it is called (ping, stats, the config) and the warm mode
-it implements. pread/read and fadvise/advise are the asynchronous queue
+it implements, and is a row of C's one engine table (native/prefetch.c, listed by
+kvp_engines), which also says of each whether it can run here (kvp_engine_probe) and
+which kind it is: pread/read and fadvise/advise run in the asynchronous queue
 (native/queue.c: persistent threads whose reads in flight follow each root's file
-system, engines/queue.py); io_uring/read and io_uring/advise are rows of C's batch
-table (native/prefetch.c, listed by kvp_engines). ENGINE_TABLE says which serves each
-configured `engine` in each warm mode; AUTO_ORDER is what `auto` tries, best first.
+system, engines/queue.py), io_uring/read and io_uring/advise in batches (BatchEngine).
+ENGINE_TABLE says which serves each configured `engine` in each warm mode; AUTO_ORDER
+is what `auto` tries, best first.
 
 `auto` picks by measurement, not by reputation (bench/run, same files, same run;
 README "Performance"). In read mode the pread engine beat io_uring reads on the local
@@ -43,12 +45,10 @@ class NoEngine(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """An engine (as ping and stats name it) and its warm mode: the queue, or a row of C's
-    batch table."""
+    """An engine (as ping and stats name it) and its warm mode: a row of C's table."""
 
     name: str
     warm_mode: str
-    queued: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when this engine can run here, else why not (kvp_engine_probe)."""
@@ -56,9 +56,12 @@ class EngineSpec:
             native = load_native()
         except NativeUnavailable as error:
             return str(error)
-        if self.queued:
-            return None  # threads and pread: nothing the kernel can refuse
         return native.engine_unavailable(self.name, self.warm_mode)
+
+    @property
+    def queued(self) -> bool:
+        """Whether C's table runs it in the queue (else in batches, or nowhere)."""
+        return load_native().engine_queued(self.name, self.warm_mode)
 
     def build(self, settings: EngineSettings) -> Engine:
         if self.queued:
@@ -66,8 +69,8 @@ class EngineSpec:
         return BatchEngine(self.name, self.warm_mode, settings)
 
 
-PREAD = EngineSpec("pread", "read", queued=True)
-FADVISE = EngineSpec("fadvise", "advise", queued=True)
+PREAD = EngineSpec("pread", "read")
+FADVISE = EngineSpec("fadvise", "advise")
 URING_READ = EngineSpec("io_uring", "read")
 URING_ADVISE = EngineSpec("io_uring", "advise")
 

@@ -1,6 +1,7 @@
 """The asynchronous engine: files go in as they arrive, outcomes come out as they finish.
 
-One native queue (native/queue.c) per worker and warm mode, with persistent threads
+One native queue (native/queue.c) per worker and warm mode, running a queue engine of
+C's table (pread, or fadvise then a confirming read, per file), with persistent threads
 whose reads in flight follow each root's file system (native/depthctl.c): a slow
 tier gets hundreds of fetches in flight, a local disk as many as it serves faster
 with; files behind another mount beneath their root have a lane of a few threads. The
@@ -54,8 +55,10 @@ class QueueEngine(NativeEngine):
     def __init__(self, name: str, warm_mode: str, settings: EngineSettings) -> None:
         super().__init__(name, warm_mode, settings)
         ffi, lib = self._native.ffi, self._native.lib
+        engine, mode = ffi.new("char[]", name.encode()), ffi.new("char[]", warm_mode.encode())
         config = ffi.new("struct kvp_queue_config *")
-        config.advise = int(warm_mode == "advise")
+        config.engine = engine  # a queue engine of C's table; the queue keeps the table's copy
+        config.warm_mode = mode
         config.fadv_random = int(settings.fadv_random)
         config.chunk = settings.chunk_bytes
         config.initial_depth = settings.initial_depth

@@ -22,17 +22,17 @@ from kvprefetch.stats import (
     Stats,
     WorkerStats,
 )
-from kvprefetchd.books import Books
-from kvprefetchd.connection import FREE_INPUT_BYTES
-from kvprefetchd.holds import RELEASES
-from kvprefetchd.kvservice import KVService
-from kvprefetchd.ops import Ops
-from kvprefetchd.peers import PRIVILEGED_RESERVE
-from kvprefetchd.pool import WorkerHandle, WorkerPool
-from kvprefetchd.rootset import RootSet
-from kvprefetchd.scout import Scout
-from kvprefetchd.server import Server
-from kvprefetchd.stuck import Stuck
+from kvprefetchd.listeners.connection import FREE_INPUT_BYTES
+from kvprefetchd.listeners.peers import PRIVILEGED_RESERVE
+from kvprefetchd.listeners.server import Server
+from kvprefetchd.ops.handlers import Ops
+from kvprefetchd.ops.kvservice import KVService
+from kvprefetchd.roots.rootset import RootSet
+from kvprefetchd.roots.scout import Scout
+from kvprefetchd.supervisor.books import Books
+from kvprefetchd.supervisor.pool import WorkerHandle, WorkerPool
+from kvprefetchd.supervisor.stuck import Stuck
+from kvprefetchd.worker.holds import RELEASES
 
 
 def process_figures(pid: int) -> ProcessFigures:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from kvprefetchd.admit import Share, root_indexes
 from kvprefetchd.channel import Warm
+from kvprefetchd.supervisor.admit import Share, root_indexes
 
 
 def roots_of(message: Warm) -> array[int]:

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from kvprefetchd.peer_errors import accept_failed_by_peer
+from kvprefetchd.listeners.peer_errors import accept_failed_by_peer
 from kvprefetchd.protocol import encode_frame, error_reply
 
 log = logging.getLogger("kvprefetchd.server")  # the socket's own messages, as before the move

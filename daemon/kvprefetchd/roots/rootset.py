@@ -46,8 +46,8 @@ from kvprefetch.stats import RootStats
 from kvprefetchd.channel import RootTier
 from kvprefetchd.config import Config
 from kvprefetchd.native import load_native
-from kvprefetchd.residency import RootRule
-from kvprefetchd.scout import Failed, OpenRoot, Passed, Scout, Unchanged
+from kvprefetchd.roots.residency import RootRule
+from kvprefetchd.roots.scout import Failed, OpenRoot, Passed, Scout, Unchanged
 
 log = logging.getLogger("kvprefetchd")
 

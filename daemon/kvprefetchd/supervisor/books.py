@@ -19,9 +19,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvprefetchd.admit import Share
 from kvprefetchd.protocol import OUTCOMES
 from kvprefetchd.reasons import reason_of, refusals
+from kvprefetchd.supervisor.admit import Share
 
 if TYPE_CHECKING:
     from kvprefetchd.kv import Profile

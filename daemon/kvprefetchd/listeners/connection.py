@@ -27,8 +27,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from kvprefetchd.peer_errors import caused_by_peer, would_block
-from kvprefetchd.peers import Peer
+from kvprefetchd.listeners.peer_errors import caused_by_peer, would_block
+from kvprefetchd.listeners.peers import Peer
 from kvprefetchd.protocol import TOO_LARGE, FrameReader, encode_frame, error_reply
 
 # What any connection may buffer of a frame without a grant from the pool: every request

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvprefetchd.tokenbucket import TokenBucket
+from kvprefetchd.listeners.tokenbucket import TokenBucket
 
 if TYPE_CHECKING:
     from kvprefetchd.config import Config

@@ -48,14 +48,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvprefetchd.config import Config, split_host_port
-from kvprefetchd.handshakes import Handshake, HandshakeGate, displaced
-from kvprefetchd.listening import AcceptRest, Hush, accept_ready, out_of_fds, refuse
-from kvprefetchd.peer_errors import caused_by_peer, describe, would_block
+from kvprefetchd.listeners.handshakes import Handshake, HandshakeGate, displaced
+from kvprefetchd.listeners.listening import AcceptRest, Hush, accept_ready, out_of_fds, refuse
+from kvprefetchd.listeners.peer_errors import caused_by_peer, describe, would_block
+from kvprefetchd.listeners.tls_identity import identities, trust_of, trusted
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, encode_frame, error_reply
-from kvprefetchd.tls_identity import identities, trust_of, trusted
 
 if TYPE_CHECKING:
-    from kvprefetchd.server import Server
+    from kvprefetchd.listeners.server import Server
 
 log = logging.getLogger("kvprefetchd.tcp")
 

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 from kvprefetchd.native import load_native
-from kvprefetchd.tiers import (
+from kvprefetchd.roots.tiers import (
     FUSE_DEFAULT_MAX_BACKGROUND,
     MountFacts,
     TierProfile,

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvprefetchd.tokenbucket import TokenBucket
+from kvprefetchd.listeners.tokenbucket import TokenBucket
 
 # Addresses remembered as routers' (the reserve) and per-address buckets kept: both
 # bounded, least recently used forgotten first. A forgotten bucket comes back full,

@@ -43,9 +43,9 @@ from typing import Any, NoReturn
 
 from kvprefetchd import kv
 from kvprefetchd.channel import close_other_fds
-from kvprefetchd.residency import RootRule, rule_for_fd
-from kvprefetchd.roots import RootMissing, RootRefused, Trust, open_root
-from kvprefetchd.stuck import Stuck
+from kvprefetchd.roots.opening import RootMissing, RootRefused, Trust, open_root
+from kvprefetchd.roots.residency import RootRule, rule_for_fd
+from kvprefetchd.supervisor.stuck import Stuck
 
 log = logging.getLogger("kvprefetchd.scout")
 

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvprefetchd.books import TICKET_INDEX_BITS, TICKET_INDEX_MASK, ticket_of
 from kvprefetchd.channel import (
     CHECK,
     EVICT_FILE,
@@ -32,19 +31,20 @@ from kvprefetchd.channel import (
     Warm,
     send_all_blocking,
 )
-from kvprefetchd.dedup import InFlight, Key, RecentlyWarmed
 from kvprefetchd.engines import EngineSpec, WarmEngines
 from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem
 from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.faults import BatchFaults
-from kvprefetchd.histogram import FILE_BUCKETS, Histogram
-from kvprefetchd.holds import HoldBudget
-from kvprefetchd.keeping import Keeping
+from kvprefetchd.metrics.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.native import load_native
-from kvprefetchd.probe import Prober
-from kvprefetchd.tiers import WHOLE_FILE
-from kvprefetchd.worker_files import Files, Tally, roots_of
-from kvprefetchd.worker_inspect import Inspector
+from kvprefetchd.roots.tiers import WHOLE_FILE
+from kvprefetchd.supervisor.books import TICKET_INDEX_BITS, TICKET_INDEX_MASK, ticket_of
+from kvprefetchd.worker.dedup import InFlight, Key, RecentlyWarmed
+from kvprefetchd.worker.files import Files, Tally, roots_of
+from kvprefetchd.worker.holds import HoldBudget
+from kvprefetchd.worker.inspection import Inspector
+from kvprefetchd.worker.keeping import Keeping
+from kvprefetchd.worker.probe import Prober
 
 log = logging.getLogger("kvprefetchd.worker")
 

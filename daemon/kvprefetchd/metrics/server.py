@@ -24,10 +24,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvprefetchd.config import MetricsAddress, parse_metrics_address
-from kvprefetchd.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
-from kvprefetchd.listening import AcceptRest, accept_ready, listen_unix, out_of_fds
-from kvprefetchd.metrics_limits import Admission, MetricsLimits, address_key
-from kvprefetchd.tokenbucket import TokenBucket
+from kvprefetchd.listeners.listening import AcceptRest, accept_ready, listen_unix, out_of_fds
+from kvprefetchd.listeners.tokenbucket import TokenBucket
+from kvprefetchd.metrics.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
+from kvprefetchd.metrics.limits import Admission, MetricsLimits, address_key
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -38,7 +38,7 @@ def open_metrics_listener(
     """A non-blocking listening socket for the `metrics` setting (port 0: any free port).
 
     A Unix socket is bound like the main one (umask around bind, a stale file
-    replaced, a live one refused: kvprefetchd.listening.listen_unix).
+    replaced, a live one refused: kvprefetchd.listeners.listening.listen_unix).
     """
     where = address if isinstance(address, MetricsAddress) else parse_metrics_address(address)
     if where.family == socket.AF_UNIX:

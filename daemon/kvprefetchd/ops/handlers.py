@@ -20,15 +20,11 @@ from typing import Any
 
 import kvprefetchd
 from kvprefetch.stats import Stats
-from kvprefetchd.admit import Admission, Admitter
-from kvprefetchd.books import Books, Inspection, ReplySink, Waiter
 from kvprefetchd.channel import CHECK, EVICT_FILE, EVICT_HEAD
 from kvprefetchd.config import Config
-from kvprefetchd.confine import Roots
-from kvprefetchd.histogram import ACK_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
-from kvprefetchd.kvservice import DiscoveryPending, KVService
+from kvprefetchd.metrics.histogram import ACK_BUCKETS, WAIT_BUCKETS, Histogram, Histograms
 from kvprefetchd.native import load_native
-from kvprefetchd.pool import WorkerPool
+from kvprefetchd.ops.kvservice import DiscoveryPending, KVService
 from kvprefetchd.protocol import (
     CHECK_STATES,
     FORBIDDEN,
@@ -50,6 +46,10 @@ from kvprefetchd.protocol import (
     request_id_of,
 )
 from kvprefetchd.reasons import refusals
+from kvprefetchd.roots.confine import Roots
+from kvprefetchd.supervisor.admit import Admission, Admitter
+from kvprefetchd.supervisor.books import Books, Inspection, ReplySink, Waiter
+from kvprefetchd.supervisor.pool import WorkerPool
 
 log = logging.getLogger("kvprefetchd")
 

@@ -20,8 +20,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvprefetchd.confine import Roots
 from kvprefetchd.native import load_native
+from kvprefetchd.roots.confine import Roots
 
 _shard = load_native().lib.kvp_shard
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from kvprefetchd.config import Config
 from kvprefetchd.native import load_native
-from kvprefetchd.rootset import RootState
-from kvprefetchd.tiers import FUSE_DEFAULT_MAX_BACKGROUND, FUSECTL, fuse_limits
+from kvprefetchd.roots.rootset import RootState
+from kvprefetchd.roots.tiers import FUSE_DEFAULT_MAX_BACKGROUND, FUSECTL, fuse_limits
 
 QUEUE_ENGINES = ("pread", "fadvise")
 

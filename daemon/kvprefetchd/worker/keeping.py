@@ -18,11 +18,11 @@ from typing import Any
 
 from kvprefetchd.channel import RootTier
 from kvprefetchd.engines.base import Completion, WarmItem
-from kvprefetchd.fscache import FsCacheView, warm_enough
-from kvprefetchd.holds import HoldBudget, Holds
 from kvprefetchd.native import Native
-from kvprefetchd.reopen import Verdicts
-from kvprefetchd.worker_inspect import Inspector
+from kvprefetchd.roots.fscache import FsCacheView, warm_enough
+from kvprefetchd.worker.holds import HoldBudget, Holds
+from kvprefetchd.worker.inspection import Inspector
+from kvprefetchd.worker.reopen import Verdicts
 
 
 class Keeping:

@@ -26,22 +26,23 @@ from collections.abc import Callable
 from typing import Any
 
 from kvprefetch.stats import Stats
-from kvprefetchd import exposition, systemd
-from kvprefetchd.books import Books
+from kvprefetchd import systemd
 from kvprefetchd.config import Config, ConfigError, merge_reload
-from kvprefetchd.doctor import diagnose
-from kvprefetchd.kvservice import KVService
+from kvprefetchd.listeners.server import Server
 from kvprefetchd.logs import LogPump
 from kvprefetchd.logs import counters as log_counters
-from kvprefetchd.metrics_http import MetricsServer
-from kvprefetchd.metrics_limits import MetricsLimits
-from kvprefetchd.ops import Ops
-from kvprefetchd.pool import BOOT_TIMEOUT, HaltError, WorkerPool
-from kvprefetchd.rootset import RootSet, RootState
-from kvprefetchd.scout import Scout
-from kvprefetchd.server import Server
-from kvprefetchd.stats import build_stats
-from kvprefetchd.stuck import Stuck
+from kvprefetchd.metrics import exposition
+from kvprefetchd.metrics.limits import MetricsLimits
+from kvprefetchd.metrics.server import MetricsServer
+from kvprefetchd.ops.doctor import diagnose
+from kvprefetchd.ops.handlers import Ops
+from kvprefetchd.ops.kvservice import KVService
+from kvprefetchd.ops.stats import build_stats
+from kvprefetchd.roots.rootset import RootSet, RootState
+from kvprefetchd.roots.scout import Scout
+from kvprefetchd.supervisor.books import Books
+from kvprefetchd.supervisor.pool import BOOT_TIMEOUT, HaltError, WorkerPool
+from kvprefetchd.supervisor.stuck import Stuck
 
 __all__ = ["HaltError", "Supervisor"]
 

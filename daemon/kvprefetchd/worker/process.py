@@ -21,7 +21,7 @@ from typing import NoReturn
 from kvprefetchd.channel import BootFailed, Ready, close_other_fds, send_all_blocking
 from kvprefetchd.engines import WarmEngines
 from kvprefetchd.faults import WORKER_BOOT_FAILS, injected
-from kvprefetchd.worker import Worker, WorkerPlan
+from kvprefetchd.worker.loop import Worker, WorkerPlan
 
 log = logging.getLogger("kvprefetchd.worker")
 

@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvprefetchd.admit import Share
-from kvprefetchd.books import Books, Waiter
 from kvprefetchd.channel import (
     BootFailed,
     ChannelReader,
@@ -40,12 +38,14 @@ from kvprefetchd.channel import (
 from kvprefetchd.config import Config
 from kvprefetchd.engines import EngineSpec, NoEngine, engine_candidates
 from kvprefetchd.engines.base import EngineSettings
-from kvprefetchd.histogram import FILE_BUCKETS, Histogram
-from kvprefetchd.holds import HoldBudget
-from kvprefetchd.rootset import RootSet, RootState
-from kvprefetchd.stuck import Stuck
-from kvprefetchd.worker import WorkerPlan
-from kvprefetchd.worker_process import EXIT_BOOT_FAILED, worker_main
+from kvprefetchd.metrics.histogram import FILE_BUCKETS, Histogram
+from kvprefetchd.roots.rootset import RootSet, RootState
+from kvprefetchd.supervisor.admit import Share
+from kvprefetchd.supervisor.books import Books, Waiter
+from kvprefetchd.supervisor.stuck import Stuck
+from kvprefetchd.worker.holds import HoldBudget
+from kvprefetchd.worker.loop import WorkerPlan
+from kvprefetchd.worker.process import EXIT_BOOT_FAILED, worker_main
 
 log = logging.getLogger("kvprefetchd")
 

@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 from kvprefetchd import systemd
 from kvprefetchd.config import Config
-from kvprefetchd.connection import Connection, InputPool
-from kvprefetchd.listening import (
+from kvprefetchd.listeners.connection import Connection, InputPool
+from kvprefetchd.listeners.listening import (
     AcceptRest,
     Unforeseen,
     accept_ready,
@@ -44,9 +44,9 @@ from kvprefetchd.listening import (
     out_of_fds,
     refuse,
 )
-from kvprefetchd.peers import PRIVILEGED_RESERVE, Peer, PeerPolicy, Seats, peer_of
+from kvprefetchd.listeners.peers import PRIVILEGED_RESERVE, Peer, PeerPolicy, Seats, peer_of
+from kvprefetchd.listeners.tcp import TcpListener
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, TOO_LARGE, error_reply
-from kvprefetchd.tcp import TcpListener
 
 log = logging.getLogger("kvprefetchd.server")
 
