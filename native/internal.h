@@ -7,6 +7,7 @@
 #define KVP_INTERNAL_H
 
 #define _GNU_SOURCE
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -37,8 +38,10 @@ struct kvp_ctx {
     struct kvp_config cfg;           /* validated copy; its names point into the table */
     const struct kvp_engine *engine;
     void *engine_data;               /* the engine's own: its setup makes it, teardown frees */
-    int have_openat2;                /* probed once: openat2(2) is Linux 5.6+ */
-    int have_proc;                   /* /proc/self/fd usable for the race-free reopen */
+    /* Probed once; kvp_*_force_fallback may clear them while the queue's or the
+     * prober's threads read them, hence atomic (a plain load on x86-64 and arm64). */
+    atomic_int have_openat2;         /* openat2(2) is Linux 5.6+ */
+    atomic_int have_proc;            /* /proc/self/fd usable for the race-free reopen */
     int no_xdev;                     /* resolve on root_fd's own mount only (open.c resolve) */
     int broken;                      /* errno that made the engine unusable; later batches fail */
     char *scratch;                   /* threads x chunk; the data is thrown away */
@@ -46,10 +49,14 @@ struct kvp_ctx {
 };
 
 /*
- * An engine, in the manner of fio's ioengines: one const instance per engine
- * file, listed in prefetch.c's table.  Only name, warm_mode and run are
- * required.  The context calls probe (kvp_engine_probe), then, per context,
- * setup once, run once per batch, teardown once (also after a failed setup).
+ * An engine, in the manner of fio's ioengines: one const instance per engine,
+ * listed in prefetch.c's table (kvp_engines, kvp_engine_probe).  Two kinds, as
+ * fio's sync and async: a batch engine (run; kvp_ctx_new, kvp_run_batch) or a
+ * queue engine (warm; kvp_queue_new: queue.c's persistent threads call warm
+ * for each file they have opened).  Only name, warm_mode and one of run or
+ * warm are required.  The context calls probe (kvp_engine_probe), then, for a
+ * batch engine, per context, setup once, run once per batch, teardown once
+ * (also after a failed setup).
  */
 struct kvp_engine {
     const char *name;       /* kvp_config.engine */
@@ -57,6 +64,7 @@ struct kvp_engine {
     /* 1 when it can run here, else 0 and why (NUL-terminated, at most whylen
      * bytes, whylen > 0).  NULL: it can always run. */
     int (*probe)(char *why, size_t whylen);
+    /* ---- a batch engine ---- */
     /* Validate the cfg fields only this engine reads and make c->engine_data
      * (cfg is already validated and clamped otherwise): 0 or an errno. */
     int (*setup)(struct kvp_ctx *c);
@@ -67,10 +75,30 @@ struct kvp_engine {
     int (*run)(struct kvp_ctx *c, struct kvp_item *items, size_t n);
     /* Free what setup made, however far it got. */
     void (*teardown)(struct kvp_ctx *c);
+    /* ---- a queue engine ---- */
+    /* Warm one open file: fd is the read fd of a verified regular file
+     * (kvp_item_open), span the bytes to warm, buf cfg.chunk bytes of scratch
+     * (thrown away; other threads may write it too).  Settle the item READ
+     * (done: bytes read) or FAILED, and return its errno (0: READ).  fd stays
+     * open: the queue closes it, or holds it (KVP_ITEM_HOLD).  Called by many
+     * threads at once with the same c, which it only reads. */
+    int (*warm)(const struct kvp_ctx *c, struct kvp_item *it, int fd, uint64_t span, char *buf);
 };
 
+extern const struct kvp_engine kvp_engine_pread;          /* engine_pread.c */
+extern const struct kvp_engine kvp_engine_fadvise;        /* engine_pread.c */
 extern const struct kvp_engine kvp_engine_uring_read;     /* engine_uring.c */
 extern const struct kvp_engine kvp_engine_uring_fadvise;  /* engine_uring.c */
+
+/* The table's row for (name, warm_mode), or NULL (prefetch.c). */
+const struct kvp_engine *kvp_engine_lookup(const char *name, const char *warm_mode);
+
+/* ---- engine_pread.c ------------------------------------------------------- */
+/* The head read: [0, span) of fd into buf, cfg.chunk bytes at a time, retrying
+ * EINTR and (O_NONBLOCK dropped) EAGAIN; settles the item READ or FAILED and
+ * returns its errno.  fd stays open.  The pread engine's warm, and the confirm
+ * of io_uring/advise (pool.c). */
+int kvp_read_head(const struct kvp_ctx *c, struct kvp_item *it, int fd, uint64_t span, char *buf);
 
 /* Settle an item; -1, so item_open can `return settle(...)`. */
 static inline int settle(struct kvp_item *it, int outcome, int err)

@@ -7,11 +7,12 @@
  * understands: fixed width integers, structs, #define'd integer constants,
  * function prototypes.
  *
- * Python hands C files as arrays of kvp_item, never one call per file: to the
- * asynchronous queue (kvp_queue_*: the pread and fadvise engines), which takes
- * them at once and hands back outcomes as reads finish, or as a batch to an
- * engine of the table (kvp_run_batch: io_uring), which opens, checks, warms and
- * closes every file in one call with the GIL released.  Crossing the boundary
+ * Python hands C files as arrays of kvp_item, never one call per file.  Every
+ * engine is a row of one table (kvp_engines), of one of two kinds: a queue
+ * engine (pread, fadvise) runs in an asynchronous queue (kvp_queue_*), which
+ * takes files at once and hands back outcomes as reads finish; a batch engine
+ * (io_uring) runs in a context (kvp_run_batch), which opens, checks, warms and
+ * closes every file of a batch in one call with the GIL released.  Crossing the boundary
  * once per array (not once per file) is what lets the Python daemon run at the
  * speed of a hand-written C program.
  *
@@ -82,6 +83,8 @@ struct kvp_engine_name {
     const char *engine;     /* "pread", "fadvise", "io_uring" */
     const char *warm_mode;  /* "read" (the engine reads every head) or "advise"
                                (it asks the kernel to read, then confirms) */
+    int32_t queued;         /* 1: a queue engine (kvp_queue_new); 0: a batch
+                               engine (kvp_ctx_new, kvp_run_batch) */
 };
 
 /* The engine table: fills out[0 .. min(n, count)) and returns count (out may be
@@ -94,7 +97,7 @@ size_t kvp_engines(struct kvp_engine_name *out, size_t n);
 int kvp_engine_probe(const char *engine, const char *warm_mode, char *why, size_t whylen);
 
 struct kvp_config {
-    const char *engine;     /* an engine of the table (kvp_engines), e.g. "io_uring" */
+    const char *engine;     /* a batch engine of the table (kvp_engines), e.g. "io_uring" */
     const char *warm_mode;  /* its warm mode, "read" or "advise" */
     int32_t fadv_random;    /* nonzero: POSIX_FADV_RANDOM on every fd before reading */
     uint32_t chunk;         /* bytes per read request (pread loop and io_uring) */
@@ -107,7 +110,7 @@ struct kvp_config {
 struct kvp_ctx;  /* opaque: the engine, its ring or window, scratch buffers, kernel features */
 
 /* Create a context for cfg; NULL with *err = errno when it cannot be made:
- * EINVAL for a bad config or an unknown engine, ENOSYS for io_uring in a build
+ * EINVAL for a bad config, an unknown engine or a queue engine, ENOSYS for io_uring in a build
  * without liburing, or the ring setup's refusal (e.g. ENOSYS/EPERM under
  * seccomp).  cfg's strings may be freed once this returns. */
 struct kvp_ctx *kvp_ctx_new(const struct kvp_config *cfg, int *err);
@@ -128,8 +131,10 @@ int kvp_run_batch(struct kvp_ctx *ctx, struct kvp_item *items, size_t n);
  * threads, never ahead of the root's own files (queue.c's header).
  */
 struct kvp_queue_config {
-    int32_t advise;          /* nonzero: posix_fadvise(WILLNEED) each head, then confirm */
-    int32_t fadv_random;     /* nonzero: POSIX_FADV_RANDOM before reading (not with advise) */
+    const char *engine;      /* a queue engine of the table (kvp_engines), e.g. "pread" */
+    const char *warm_mode;   /* its warm mode, "read" or "advise" */
+    int32_t fadv_random;     /* nonzero: POSIX_FADV_RANDOM before reading (not for an
+                                advise engine, whose WILLNEED says what to read) */
     uint32_t chunk;          /* bytes per read request */
     uint32_t initial_depth;  /* reads in flight per root to start from */
     uint32_t max_threads;    /* threads at most, stalled ones included (at most 4096) */
@@ -167,7 +172,8 @@ struct kvp_queue_stats {
 };
 
 struct kvp_queue;
-/* NULL with *err = errno (EINVAL for a bad config, ENOMEM, the eventfd's errno). */
+/* NULL with *err = errno (EINVAL for a bad config, an unknown engine or a batch
+ * engine; ENOMEM; the eventfd's errno).  cfg's strings may be freed once this returns. */
 struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err);
 /* Stops the threads; those stuck in the kernel keep the queue (it is then left). */
 void kvp_queue_free(struct kvp_queue *q);
@@ -313,7 +319,8 @@ uint32_t kvp_admission_share(const struct kvp_admission *a, uint32_t worker, con
  * kernel lacked openat2 (KVP_FALLBACK_OPENAT2: component walk from root_fd,
  * refusing ".." and every symlink) and/or /proc (KVP_FALLBACK_PROC: reopen by a
  * second path resolution plus a dev/ino check), so the fallbacks can be tested
- * on a kernel that has both.  Bits only ever turn features off. */
+ * on a kernel that has both.  Bits only ever turn features off, from any thread,
+ * at any time: a queue's threads see them from their next file on. */
 #define KVP_FALLBACK_OPENAT2 1
 #define KVP_FALLBACK_PROC 2
 void kvp_ctx_force_fallback(struct kvp_ctx *ctx, int32_t which);

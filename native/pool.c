@@ -1,37 +1,15 @@
 /*
- * pool.c: blocking preads of a window of open heads, spread over cfg.threads
- * threads: io_uring/advise's confirm (advise.c).  The threads live for one
- * batch; the queue (queue.c) keeps its own.
+ * pool.c: blocking reads of a window of open heads (kvp_read_head), spread
+ * over cfg.threads threads: io_uring/advise's confirm (advise.c).  The threads
+ * live for one batch; the queue (queue.c) keeps its own.
  */
 #include "internal.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <unistd.h>
 
 #define KVP_THREAD_STACK (256u << 10)
-
-/* Read [0, span) of fd into buf (thrown away), settle the item, close fd. */
-static void warm_read(const struct kvp_ctx *c, struct kvp_item *it, int fd, uint64_t span, char *buf)
-{
-    uint64_t off = 0;
-    int e = 0, tries = 0;
-    while (off < span) {
-        ssize_t r = pread(fd, buf, (size_t)MIN(span - off, (uint64_t)c->cfg.chunk), (off_t)off);
-        if (r > 0)
-            off += (uint64_t)r;  /* a short read continues from where it stopped */
-        else if (r == 0)
-            break;  /* EOF: the file shrank since fstat */
-        else if (errno != EINTR && !(errno == EAGAIN && tries++ < KVP_RETRIES && !kvp_clear_nonblock(fd))) {
-            e = errno;
-            break;
-        }
-    }
-    it->done = off;
-    settle(it, e ? KVP_OUT_FAILED : KVP_OUT_READ, e);
-    close(fd);
-}
 
 struct pool {
     struct kvp_ctx *c;
@@ -49,8 +27,10 @@ static void *work(void *arg)
     struct pool *p = w->p;
     size_t i;
     while ((i = atomic_fetch_add(&p->next, 1)) < p->n)
-        if (p->fds[i] >= 0)
-            warm_read(p->c, &p->items[i], p->fds[i], p->spans[i], w->buf);
+        if (p->fds[i] >= 0) {
+            kvp_read_head(p->c, &p->items[i], p->fds[i], p->spans[i], w->buf);
+            close(p->fds[i]);
+        }
     return NULL;
 }
 

@@ -1,26 +1,38 @@
 /*
  * prefetch.c: the C half of kvprefetchd._native (contract: kvprefetch.h): the
- * batch context, the engine table, kvp_run_batch.  The files:
- *   queue.c           the asynchronous queue (pread and fadvise): persistent
- *                     threads, files in as they come, outcomes out as they finish
- *   depthctl.c        the queue's reads in flight per root (Little's law)
- *   prefetch.c        kvp_run_batch hands a batch to the context's engine
- *   engine_uring.c    io_uring/read and io_uring/advise: one ring per context
+ * engine table, the batch context, kvp_run_batch.  The files (build_native.py
+ * compiles every C file here into the one module):
+ *   kvprefetch.h      the boundary with Python: cffi's cdef, every API below
+ *   internal.h        what the C files share, and the engine skeleton (struct kvp_engine)
+ *   prefetch.c        the engine table; kvp_run_batch hands a batch to its context's engine
+ *   engine_pread.c    pread/read and fadvise/advise, the queue's engines (one file
+ *                     each), and kvp_read_head, the head read every blocking reader shares
+ *   engine_uring.c    io_uring/read and io_uring/advise, batch engines: one ring per context
  *   advise.c          io_uring/advise's advise-then-confirm loop
  *   pool.c            the confirming threads of a batch
+ *   queue.c           the asynchronous queue (kvp_queue_*) that runs the queue engines:
+ *                     persistent threads, files in as they come, outcomes out as they finish
+ *   queue.h           the queue's insides, shared with depthctl.c and schedule.c
+ *   depthctl.c        the queue's reads in flight per root (Little's law)
+ *   schedule.c        which waiting file of a root the queue starts next
  *   open.c            per item: resolve beneath the root, classify, reopen
  *   residency.c       per item: already warm? (cachestat / mincore, tier rule)
+ *   probe.c           the worker's fast path for warm heads, before any engine
+ *   inspect.c         check and evict: look at files, or drop their pages, reading nothing
+ *   admit.c           the supervisor's admission: lexical gate, shard, queue room
  *   watch.c           inotify on held files: who else opens them
- *   internal.h        what they share, and the engine skeleton (struct kvp_engine)
  * Per item: resolve rel beneath root_fd (openat2 RESOLVE_BENEATH, O_PATH),
  * fstat, refuse anything but a regular file, apply the residency rule, reopen
  * the verified inode for reading, warm [0, span) with span = min(st_size,
  * read_bytes), close.
  * kvp_item.err is the kernel's errno, except: a non-regular file is REJECTED
- * with EISDIR (directory), ELOOP (symlink, openat2-less walk only) or EINVAL
+ * with EISDIR (directory), ELOOP (symlink, openat2-less walk only) or ENODEV
  * (FIFO, socket, device); an empty rel or unknown residency with EINVAL; an
- * inode swapped under the /proc-less reopen with ESTALE.
- * A kvp_ctx runs one batch at a time: it is not thread-safe.
+ * inode swapped under the /proc-less reopen with ESTALE; a name behind another
+ * mount beneath the root, on a ctx that stays on the root's mount (no_xdev),
+ * FAILED with EXDEV.
+ * A kvp_ctx runs one batch at a time: it is not thread-safe (a queue's threads
+ * share theirs read-only).
  */
 #include "internal.h"
 
@@ -31,17 +43,20 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 
-/* The engines, each in its own file.  To add one: a file defining a const
- * struct kvp_engine (internal.h documents the skeleton), its line here, and a
- * row in the Python registry's table (daemon/kvprefetchd/engines/__init__.py);
- * build_native.py compiles every native .c file. */
+/* The engines, each defined in an engine_*.c file.  To add one: a const
+ * struct kvp_engine of either kind (internal.h documents the skeleton), its
+ * line here, and its configured name in the Python registry's table
+ * (daemon/kvprefetchd/engines/__init__.py), which asks this table whether an
+ * engine can run here and which kind it is. */
 static const struct kvp_engine *const engines[] = {
+    &kvp_engine_pread,
+    &kvp_engine_fadvise,
     &kvp_engine_uring_read,
     &kvp_engine_uring_fadvise,
 };
 #define KVP_NENGINES (sizeof engines / sizeof *engines)
 
-static const struct kvp_engine *lookup(const char *name, const char *warm_mode)
+const struct kvp_engine *kvp_engine_lookup(const char *name, const char *warm_mode)
 {
     for (size_t i = 0; name && warm_mode && i < KVP_NENGINES; i++)
         if (!strcmp(engines[i]->name, name) && !strcmp(engines[i]->warm_mode, warm_mode))
@@ -52,14 +67,15 @@ static const struct kvp_engine *lookup(const char *name, const char *warm_mode)
 size_t kvp_engines(struct kvp_engine_name *out, size_t n)
 {
     for (size_t i = 0; i < n && i < KVP_NENGINES; i++)
-        out[i] = (struct kvp_engine_name){ engines[i]->name, engines[i]->warm_mode };
+        out[i] = (struct kvp_engine_name){ engines[i]->name, engines[i]->warm_mode,
+                                           engines[i]->warm != NULL };
     return KVP_NENGINES;
 }
 
 int kvp_engine_probe(const char *engine, const char *warm_mode, char *why, size_t whylen)
 {
     char none[1];
-    const struct kvp_engine *e = lookup(engine, warm_mode);
+    const struct kvp_engine *e = kvp_engine_lookup(engine, warm_mode);
     if (!why || whylen == 0)
         why = none, whylen = sizeof none;
     if (!e) {
@@ -88,9 +104,10 @@ struct kvp_ctx *kvp_ctx_new(const struct kvp_config *cfg, int *err)
 {
     struct kvp_ctx *c = NULL;
     struct rlimit rl;
-    const struct kvp_engine *engine = cfg ? lookup(cfg->engine, cfg->warm_mode) : NULL;
+    const struct kvp_engine *engine = cfg ? kvp_engine_lookup(cfg->engine, cfg->warm_mode) : NULL;
     int e = EINVAL;
-    if (!engine || cfg->chunk == 0 || cfg->chunk > KVP_MAX_CHUNK || cfg->max_open == 0)
+    if (!engine || !engine->run || cfg->chunk == 0 || cfg->chunk > KVP_MAX_CHUNK ||
+        cfg->max_open == 0)
         goto fail;
     if (!(c = calloc(1, sizeof *c)) && (e = ENOMEM))
         goto fail;

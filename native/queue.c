@@ -3,6 +3,10 @@
  * outcomes reaped as they complete: persistent threads, no batch boundary, and
  * as many reads in flight per root as that root's file system rewards.
  *
+ * What a thread does with each file it has opened is its engine's (struct
+ * kvp_engine's warm: pread, or fadvise then a confirming read; engine_pread.c);
+ * the threads, depth, schedule and lanes here are the same for every engine.
+ *
  * Why not a fixed pool: on a tier whose first read waits 10-200 ms for a remote
  * fetch, warm-up time is files x latency / reads in flight (Little's law), so a
  * fixed 16 threads per worker left a tier with room for hundreds of fetches
@@ -65,6 +69,35 @@
 
 static void *thread_main(void *arg);
 static void *lane_main(void *arg);
+
+/* Threads decided on under the lock, started once it is released: pthread_create
+ * (an mmap of the stack, a clone) is not done holding the lock every thread and
+ * the reaper wait on.  They are counted in q->threads or q->lane.threads from
+ * the moment they are decided on, so the rules that decide see them at once. */
+struct spawn {
+    uint32_t roots, lane;  /* threads to start for the roots' lanes and the other-mount lane */
+};
+
+/* Start what was decided on; called without the lock, by a thread the queue
+ * cannot be freed under (a counted one, or the caller of submit and tick).  A
+ * thread the system refuses is uncounted again. */
+static void start_threads(struct kvp_queue *q, struct spawn *sp)
+{
+    uint32_t refused_roots = 0, refused_lane = 0;
+    pthread_t tid;
+    for (; sp->roots > 0; sp->roots--)
+        refused_roots += pthread_create(&tid, &q->attr, thread_main, q) != 0;
+    for (; sp->lane > 0; sp->lane--)
+        refused_lane += pthread_create(&tid, &q->attr, lane_main, q) != 0;
+    if (refused_roots + refused_lane == 0)
+        return;
+    pthread_mutex_lock(&q->mu);
+    q->threads -= refused_roots;  /* the system refused: serve with what there is */
+    q->lane.threads -= refused_lane;
+    q->spawn_failures += refused_roots + refused_lane;
+    pthread_cond_broadcast(&q->exited);
+    pthread_mutex_unlock(&q->mu);
+}
 
 /* Lists (schedule.c's kvp_list_*): pending per root and in the lane, running, done. */
 
@@ -153,22 +186,18 @@ static void lane_refuse(struct kvp_queue *q, struct qitem *qi)
 }
 
 /* Called with the lock held, as maybe_spawn is, for the lane's own threads. */
-static void lane_spawn(struct kvp_queue *q)
+static void lane_spawn(struct kvp_queue *q, struct spawn *sp)
 {
     struct qlane *l = &q->lane;
-    pthread_t tid;
     if (l->threads > l->running || l->threads >= l->cap || q->stopping || l->pending.n == 0)
         return;
     l->threads++;
-    if (pthread_create(&tid, &q->attr, lane_main, q) != 0) {
-        l->threads--;
-        q->spawn_failures++;
-    }
+    sp->lane++;
 }
 
 /* A file a root's lane found behind another mount: to the other-mount lane, or
  * refused at once when that lane is stuck.  Called with the lock held. */
-static void lane_take(struct kvp_queue *q, struct qitem *qi)
+static void lane_take(struct kvp_queue *q, struct qitem *qi, struct spawn *sp)
 {
     struct qlane *l = &q->lane;
     l->moved++;
@@ -183,75 +212,47 @@ static void lane_take(struct kvp_queue *q, struct qitem *qi)
     }
     q->deadlines += qi->it.deadline_ns > 0;
     kvp_list_push(&l->pending, qi);
-    lane_spawn(q);
+    lane_spawn(q, sp);
     pthread_cond_signal(&q->lane_work);
 }
 
 /* ---- the work of one file ---------------------------------------------- */
-/* Read [0, span) into a shared scratch buffer.  The bytes are thrown away:
- * only the page-cache side effect matters, so threads may overwrite each
- * other's data; sixteen buffers keep two cores off the same cache lines while
- * a thousand threads cost sixteen chunks of memory, not a thousand. */
-static void warm(struct kvp_queue *q, struct qitem *qi, int fd, uint64_t span)
+/* A root's lane resolves on the root's own mount (base); the other-mount lane
+ * crosses mounts (across).  The engine warms into a shared scratch buffer: the
+ * bytes are thrown away, so threads may overwrite each other's data; sixteen
+ * buffers keep two cores off the same cache lines while a thousand threads
+ * cost sixteen chunks of memory, not a thousand. */
+static void process(struct kvp_queue *q, struct qitem *qi)
 {
-    struct kvp_item *it = &qi->it;
-    char *buf = q->scratch + (size_t)(qi->seq % KVP_QUEUE_SCRATCH) * q->base.cfg.chunk;
-    uint64_t off = 0;
-    int e = 0, tries = 0;
-    /* Advice first: one WILLNEED asks for the whole head as large requests
-     * (mm/fadvise.c force_page_cache_readahead), which the confirming reads
-     * below then wait for instead of requesting chunk by chunk. */
-    if (q->cfg.advise)
-        (void)posix_fadvise(fd, 0, (off_t)span, POSIX_FADV_WILLNEED);
-    while (off < span) {
-        ssize_t r = pread(fd, buf, (size_t)MIN(span - off, (uint64_t)q->base.cfg.chunk), (off_t)off);
-        if (r > 0)
-            off += (uint64_t)r;  /* a short read continues from where it stopped */
-        else if (r == 0)
-            break;  /* EOF: the file shrank since fstat */
-        else if (errno != EINTR && !(errno == EAGAIN && tries++ < KVP_RETRIES && !kvp_clear_nonblock(fd))) {
-            e = errno;
-            break;
-        }
-    }
-    it->done = off;
-    settle(it, e ? KVP_OUT_FAILED : KVP_OUT_READ, e);
-    if (!e && (it->flags & KVP_ITEM_HOLD))
+    struct kvp_ctx *c = qi->other_mount ? &q->across : &q->base;
+    char *buf = q->scratch + (size_t)(qi->seq % KVP_QUEUE_SCRATCH) * c->cfg.chunk;
+    uint64_t span = 0;
+    int fd = kvp_item_open(c, &qi->it, &span);
+    if (fd < 0)
+        return;
+    if (c->engine->warm(c, &qi->it, fd, span, buf) == 0 && (qi->it.flags & KVP_ITEM_HOLD))
         qi->held_fd = fd;  /* the reaper's now (serve() closes it if nobody will reap it) */
     else
         close(fd);
 }
 
-/* A root's lane resolves on the root's own mount (base); the other-mount lane
- * crosses mounts (across). */
-static void process(struct kvp_queue *q, struct qitem *qi)
-{
-    uint64_t span = 0;
-    int fd = kvp_item_open(qi->other_mount ? &q->across : &q->base, &qi->it, &span);
-    if (fd >= 0)
-        warm(q, qi, fd, span);
-}
-
 /* ---- threads ---------------------------------------------------------------- */
 
-/* Called with the lock held: one more thread when work waits, every thread
- * holds a file, and the cap allows.  One at a time: the new thread, once it has
- * a file, spawns the next if work still waits, so a burst grows the pool at
- * thread-creation speed.  Not "none is idle": a thread between two files (on
- * the lock) is neither, and files that take microseconds (resident, missing,
- * or moved to the other-mount lane) grew the pool far past the depth that
- * way: 1,100 names under another mount gave 200-500 threads per worker. */
-static void maybe_spawn(struct kvp_queue *q)
+/* Called with the lock held: one more thread (started once the lock is
+ * released: start_threads) when work waits, every thread holds a file, and the
+ * cap allows.  One at a time: the new thread, once it has a file, spawns the
+ * next if work still waits, so a burst grows the pool at thread-creation
+ * speed.  Not "none is idle": a thread between two files (on the lock) is
+ * neither, and files that take microseconds (resident, missing, or moved to
+ * the other-mount lane) grew the pool far past the depth that way: 1,100 names
+ * under another mount gave 200-500 threads per worker. */
+static void maybe_spawn(struct kvp_queue *q, struct spawn *sp)
 {
-    pthread_t tid;
     if (q->threads > q->busy || q->threads >= q->cfg.max_threads || q->stopping ||
         !work_waiting(q))
         return;
     q->threads++;
-    if (pthread_create(&tid, &q->attr, thread_main, q) != 0) {
-        q->threads--;  /* the system refused: serve with what there is */
-        q->spawn_failures++;
-    }
+    sp->roots++;  /* started by start_threads once the lock is released */
 }
 
 /* The next file for a thread of the roots' lanes (lane 0) or of the other-mount
@@ -274,10 +275,17 @@ static void serve(struct kvp_queue *q, int lane)
     struct qlane *l = &q->lane;
     uint32_t *idle = lane ? &l->idle : &q->idle;
     pthread_cond_t *work = lane ? &q->lane_work : &q->work;
+    struct spawn sp = { 0, 0 };
     pthread_mutex_lock(&q->mu);
     for (;;) {
         struct qitem *qi;
         while (!q->stopping && !(qi = take_next(q, lane))) {
+            if (sp.roots + sp.lane > 0) {  /* decided on last round: start them, then look again */
+                pthread_mutex_unlock(&q->mu);
+                start_threads(q, &sp);
+                pthread_mutex_lock(&q->mu);
+                continue;
+            }
             (*idle)++;
             pthread_cond_wait(work, &q->mu);
             (*idle)--;
@@ -301,10 +309,11 @@ static void serve(struct kvp_queue *q, int lane)
         qi->started = now_ns();
         kvp_list_push(&q->running, qi);
         if (lane)
-            lane_spawn(q);
+            lane_spawn(q, &sp);
         else
-            maybe_spawn(q);
+            maybe_spawn(q, &sp);
         pthread_mutex_unlock(&q->mu);
+        start_threads(q, &sp);
 
         process(q, qi);
 
@@ -326,12 +335,16 @@ static void serve(struct kvp_queue *q, int lane)
             free(qi);  /* settled ETIMEDOUT already; the reaper has its answer */
         }
         else if (!lane && qi->it.outcome == KVP_OUT_FAILED && qi->it.err == EXDEV)
-            lane_take(q, qi);  /* behind another mount: unlooked at (open.c) */
+            lane_take(q, qi, &sp);  /* behind another mount: unlooked at (open.c) */
         else
             done_push(q, qi);
         if (lane ? l->pending.n > 0 : work_waiting(q))
             pthread_cond_signal(work);  /* a freed slot or a grown limit */
     }
+    /* Stopping: threads decided on and not started never will be; once this one is
+     * uncounted, the queue may be freed under it, so nothing after the unlock. */
+    q->threads -= sp.roots;
+    l->threads -= sp.lane;
     if (lane)
         l->threads--;
     else
@@ -364,8 +377,8 @@ void kvp_queue_free(struct kvp_queue *q)
     /* Threads stuck in the kernel (a hung tier) cannot be joined: wait a moment,
      * then leave the queue to them (leaked, not freed under their feet).  The
      * process is normally exiting when this runs. */
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
+    struct timespec until;  /* CLOCK_MONOTONIC, as q->exited waits (kvp_queue_new) */
+    clock_gettime(CLOCK_MONOTONIC, &until);
     until.tv_sec += 1;
     while (q->threads + q->lane.threads > 0
            && pthread_cond_timedwait(&q->exited, &q->mu, &until) == 0)
@@ -404,10 +417,12 @@ void kvp_queue_free(struct kvp_queue *q)
 struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err)
 {
     struct kvp_queue *q = NULL;
+    const struct kvp_engine *engine = cfg ? kvp_engine_lookup(cfg->engine, cfg->warm_mode) : NULL;
+    pthread_condattr_t clock;
     int e = EINVAL;
-    if (!cfg || cfg->chunk == 0 || cfg->chunk > KVP_MAX_CHUNK || cfg->max_threads == 0 ||
-        cfg->max_threads > KVP_QUEUE_MAX_THREADS || cfg->initial_depth == 0 ||
-        cfg->other_mount_threads > KVP_QUEUE_MAX_THREADS)
+    if (!engine || !engine->warm || cfg->chunk == 0 || cfg->chunk > KVP_MAX_CHUNK ||
+        cfg->max_threads == 0 || cfg->max_threads > KVP_QUEUE_MAX_THREADS ||
+        cfg->initial_depth == 0 || cfg->other_mount_threads > KVP_QUEUE_MAX_THREADS)
         goto fail;
     e = ENOMEM;
     if (!(q = calloc(1, sizeof *q)))
@@ -415,8 +430,14 @@ struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err)
     q->cfg = *cfg;
     q->cfg.initial_depth = MIN(cfg->initial_depth, cfg->max_threads);
     q->efd = -1;
+    q->base.engine = engine;
+    q->base.cfg.engine = engine->name;  /* the table's: the caller's strings may go */
+    q->base.cfg.warm_mode = engine->warm_mode;
+    q->cfg.engine = engine->name;
+    q->cfg.warm_mode = engine->warm_mode;
     q->base.cfg.chunk = cfg->chunk;
-    q->base.cfg.fadv_random = cfg->fadv_random && !cfg->advise;
+    /* An advise engine's WILLNEED says what to read: no FADV_RANDOM (open.c) under it. */
+    q->base.cfg.fadv_random = cfg->fadv_random && strcmp(engine->warm_mode, "advise") != 0;
     kvp_open_probe(&q->base);
     q->across = q->base;
     q->base.no_xdev = 1;
@@ -425,9 +446,14 @@ struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err)
     q->cfg.other_mount_threads = q->lane.cap;
     kvp_depth_init(&q->lane.depth, q->lane.cap, q->lane.cap);
     pthread_mutex_init(&q->mu, NULL);
-    pthread_cond_init(&q->work, NULL);
-    pthread_cond_init(&q->exited, NULL);
-    pthread_cond_init(&q->lane_work, NULL);
+    /* Timed waits (kvp_queue_free's) on CLOCK_MONOTONIC: a step of the wall clock
+     * (NTP, an operator's date) must neither stretch nor cut them short. */
+    pthread_condattr_init(&clock);
+    pthread_condattr_setclock(&clock, CLOCK_MONOTONIC);
+    pthread_cond_init(&q->work, &clock);
+    pthread_cond_init(&q->exited, &clock);
+    pthread_cond_init(&q->lane_work, &clock);
+    pthread_condattr_destroy(&clock);
     pthread_attr_init(&q->attr);
     pthread_attr_setstacksize(&q->attr, KVP_QUEUE_STACK);
     pthread_attr_setdetachstate(&q->attr, PTHREAD_CREATE_DETACHED);
@@ -459,6 +485,7 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
                         size_t n)
 {
     int64_t t = now_ns();
+    struct spawn sp = { 0, 0 };
     pthread_mutex_lock(&q->mu);
     for (size_t i = 0; i < n; i++) {
         size_t len = items[i].rel ? strlen(items[i].rel) : 0;
@@ -484,9 +511,10 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
         kvp_sched_push(r, qi);
     }
     q->submitted += n;
-    maybe_spawn(q);
+    maybe_spawn(q, &sp);
     pthread_cond_broadcast(&q->work);
     pthread_mutex_unlock(&q->mu);
+    start_threads(q, &sp);
     return n;
 }
 
@@ -574,6 +602,7 @@ void kvp_queue_tick(struct kvp_queue *q)
 {
     int64_t t = now_ns();
     struct qlane *l = &q->lane;
+    struct spawn sp = { 0, 0 };
     pthread_mutex_lock(&q->mu);
     int freed = 0;
     for (struct qitem *qi = q->running.head; qi; qi = qi->next) {
@@ -610,10 +639,11 @@ void kvp_queue_tick(struct kvp_queue *q)
             lane_refuse(q, qi);
         }
     if (freed) {
-        maybe_spawn(q);
+        maybe_spawn(q, &sp);
         pthread_cond_broadcast(&q->work);
     }
     pthread_mutex_unlock(&q->mu);
+    start_threads(q, &sp);
 }
 
 void kvp_queue_force_fallback(struct kvp_queue *q, int32_t which)

@@ -9,7 +9,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from native_helpers import Batch, Ctx, KiB, Result, assert_warm, evict, new_queue, run_queue, write_file
+from native_helpers import (
+    Batch,
+    Ctx,
+    KiB,
+    Result,
+    assert_warm,
+    evict,
+    new_queue,
+    run_queue,
+    write_file,
+)
 
 from kvprefetchd._native import ffi, lib
 
