@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"strings"
 	"time"
 )
@@ -90,18 +89,30 @@ func parseEndpoint(s string) (endpoint, error) {
 }
 
 // DefaultSocket is the socket a daemon started with no configuration binds, found by the
-// same chain the daemon and the Python client use: $KVPREFETCHD_SOCKET; the systemd path
-// if it exists; $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR (first entry); /tmp.
+// daemon's own chain (docs/configuration.md, "The default socket"; the Python client has
+// the same, and testdata/default_socket.json holds all three to it): $KVPREFETCHD_SOCKET;
+// the systemd path if it exists; kvprefetchd.sock in $RUNTIME_DIRECTORY, then
+// $XDG_RUNTIME_DIR (the first entry, when absolute); /tmp/kvprefetchd.sock.
 func DefaultSocket() string {
+	return defaultSocket(SystemdSocket)
+}
+
+// defaultSocket is DefaultSocket with the systemd path given, so that a test can make it
+// exist or not. Paths are joined as the daemon's os.path.join does: as given, not cleaned.
+func defaultSocket(systemd string) string {
 	if explicit := os.Getenv("KVPREFETCHD_SOCKET"); explicit != "" {
 		return explicit
 	}
-	if _, err := os.Stat(SystemdSocket); err == nil {
-		return SystemdSocket
+	if _, err := os.Stat(systemd); err == nil {
+		return systemd
 	}
 	for _, env := range []string{"RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"} {
-		if base := os.Getenv(env); base != "" {
-			return filepath.Join(strings.SplitN(base, ":", 2)[0], "kvprefetchd.sock")
+		base, _, _ := strings.Cut(os.Getenv(env), ":")
+		if strings.HasPrefix(base, "/") {
+			if strings.HasSuffix(base, "/") {
+				return base + "kvprefetchd.sock"
+			}
+			return base + "/kvprefetchd.sock"
 		}
 	}
 	return "/tmp/kvprefetchd.sock"

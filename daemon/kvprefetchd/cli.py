@@ -6,30 +6,33 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
 from kvprefetchd import __version__
-from kvprefetchd.config import (
-    ENGINES,
-    LOG_LEVELS,
-    WARM_MODES,
-    Config,
-    ConfigError,
-    build_config,
-    load_file,
-)
+from kvprefetchd.addresses import SOCKET_CHAIN
+from kvprefetchd.config import Config, ConfigError, build_config, load_file
+from kvprefetchd.config_keys import DEFAULT_ROOT, KEYS, Key
+from kvprefetchd.config_keys.key import CHOICE, INT, LISTS
 from kvprefetchd.engines import NoEngine
 from kvprefetchd.listeners.listening import SocketInUse
-from kvprefetchd.listeners.tcp import TlsSetupError
+from kvprefetchd.listeners.tls_context import TlsSetupError
 from kvprefetchd.logs import setup_logging
 from kvprefetchd.supervisor.loop import HaltError, Supervisor
 
 EXIT_CONFIG = 2
 EXIT_HALTED = 1
 
+# The keys with a flag (the table's), and those an environment variable sets below the flag.
+FLAG_KEYS = tuple(key for key in KEYS if key.flag is not None)
+ENV_KEYS = tuple(key for key in KEYS if key.env)
 
-METRICS_ENV = "KVPREFETCHD_METRICS"
+
+def _env_line(key: Key) -> str:
+    flag, metavar = (key.flag.name, key.flag.metavar) if key.flag else (key.name, None)
+    return f"  {key.env}={metavar or 'VALUE'}   as {flag} (the flag wins)\n"
+
 
 USAGE_TAIL = f"""\
 commands:
@@ -38,13 +41,15 @@ commands:
                                   (see `kvprefetchd install-systemd --help`)
 
 Flags override the config file (--config), which overrides the built-in defaults: run with
-no config and no flags, it serves on $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR or /tmp, root
-/tmp/shared-kv. Every other setting is a config key (systemd/config.example.toml).
+no config and no flags, it serves on the default socket and root {DEFAULT_ROOT}. Every
+other setting is a config key (docs/configuration.md, systemd/config.example.toml).
+
+{textwrap.fill(f"The default socket: {SOCKET_CHAIN}.", 90)}
 
 environment:
-  {METRICS_ENV}=ADDR   as --metrics (the flag wins)
-  RUNTIME_DIRECTORY, XDG_RUNTIME_DIR
-                        where the default socket goes (the first that is set, else /tmp)
+{"".join(_env_line(key) for key in ENV_KEYS)}\
+  KVPREFETCHD_SOCKET, RUNTIME_DIRECTORY, XDG_RUNTIME_DIR
+                        where the default socket goes (above)
   LISTEN_FDS, LISTEN_PID, NOTIFY_SOCKET, WATCHDOG_USEC, JOURNAL_STREAM
                         set by systemd: socket activation, readiness and watchdog, and
                         journal priority prefixes on log lines
@@ -54,7 +59,8 @@ exit status: 0 stopped cleanly, 1 could not serve (the log says why), 2 bad conf
 """
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The daemon's flags: --config, --version, and one per key with a flag in the table."""
     parser = argparse.ArgumentParser(
         prog="kvprefetchd",
         description="Warm the heads of KV-cache files on request, over a Unix socket.",
@@ -62,50 +68,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
-    parser.add_argument("--socket", metavar="PATH", help="Unix socket to listen on")
-    parser.add_argument(
-        "--root", metavar="DIR", action="append", dest="roots",
-        help="allowed root directory (repeatable); replaces the configured roots",
-    )
-    parser.add_argument(
-        "--workers", type=int, metavar="N", help="worker processes (0: one per CPU)"
-    )
-    parser.add_argument(
-        "--engine", choices=ENGINES,
-        help="how workers read (auto: the queue of pread threads for read, fadvise for advise)",
-    )
-    parser.add_argument(
-        "--warm-mode", choices=WARM_MODES, dest="warm_mode",
-        help="read: read every head (what promotes a file on a tier); advise: hint the kernel",
-    )
-    parser.add_argument(
-        "--read-bytes", type=int, metavar="N", dest="read_bytes",
-        help="bytes warmed from the start of each file (a request may ask for fewer)",
-    )
-    parser.add_argument(
-        "--metrics", metavar="ADDR",
-        help='serve Prometheus metrics on ADDR: "127.0.0.1:9464", "[::1]:9464" or '
-             f'"unix:/PATH" (default: ${METRICS_ENV}, else the config, else off)',
-    )
-    parser.add_argument(
-        "--listen-tcp", metavar="ADDR:PORT", dest="listen_tcp",
-        help="also listen on TCP, mutual TLS only (needs the certificate, key and CA files below)",
-    )
-    parser.add_argument("--tls-cert-file", metavar="PEM", dest="tls_cert_file",
-                        help="the listener's certificate chain")
-    parser.add_argument("--tls-key-file", metavar="PEM", dest="tls_key_file",
-                        help="its private key")
-    parser.add_argument("--tls-client-ca-file", metavar="PEM", dest="tls_client_ca_file",
-                        help="the CA bundle client certificates must chain to")
-    parser.add_argument(
-        "--tls-allowed-client", metavar="ID", action="append", dest="tls_allowed_clients",
-        help="a client identity let in: a SAN DNS or URI name (e.g. a SPIFFE ID), or a CN "
-             "(repeatable; replaces the configured list)",
-    )
-    parser.add_argument("--log-level", choices=LOG_LEVELS, dest="log_level",
-                        help="debug shows every refused path")
+    for key in FLAG_KEYS:
+        assert key.flag is not None
+        options: dict[str, Any] = {"dest": key.name, "metavar": key.flag.metavar}
+        if key.kind is CHOICE:
+            options = {"dest": key.name, "choices": key.choices}
+        elif key.kind is INT:
+            options["type"] = int
+        elif key.kind in LISTS:
+            options["action"] = "append"
+        env = f" (default: ${key.env}, else the config)" if key.env else ""
+        parser.add_argument(key.flag.name, help=key.flag.help + env, **options)
     parser.add_argument("--version", action="version", version=f"kvprefetchd {__version__}")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,25 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return install.main(argv[1:])
     args = parse_args(argv)
-    overrides: dict[str, Any] = {
-        key: value
-        for key, value in (
-            ("socket", args.socket),
-            ("roots", args.roots),
-            ("workers", args.workers),
-            ("engine", args.engine),
-            ("warm_mode", args.warm_mode),
-            ("read_bytes", args.read_bytes),
-            ("log_level", args.log_level),
-            ("listen_tcp", args.listen_tcp),
-            ("tls_cert_file", args.tls_cert_file),
-            ("tls_key_file", args.tls_key_file),
-            ("tls_client_ca_file", args.tls_client_ca_file),
-            ("tls_allowed_clients", args.tls_allowed_clients),
-            ("metrics", args.metrics if args.metrics is not None else os.environ.get(METRICS_ENV)),
-        )
-        if value is not None
-    }
+    overrides: dict[str, Any] = {}
+    for key in FLAG_KEYS:
+        value = getattr(args, key.name)
+        if value is None and key.env:
+            value = os.environ.get(key.env)
+        if value is not None:
+            overrides[key.name] = value
+
     def read_config() -> Config:
         return build_config(load_file(args.config) if args.config else {}, overrides)
 

@@ -24,13 +24,8 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 from stats_sample import realistic_stats
 
-from kvprefetchd.config import (
-    ConfigError,
-    MetricsAddress,
-    MetricsAddressError,
-    build_config,
-    parse_metrics_address,
-)
+from kvprefetchd.addresses import MetricsAddress, MetricsAddressError, parse_metrics_address
+from kvprefetchd.config import ConfigError, build_config
 from kvprefetchd.listeners.listening import ACCEPT_REST
 from kvprefetchd.listeners.tokenbucket import TokenBucket
 from kvprefetchd.metrics.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, render

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 import kvprefetchd
-from kvprefetchd.config import build_config, parse_metrics_address
+from kvprefetchd.addresses import parse_metrics_address
+from kvprefetchd.config import build_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"

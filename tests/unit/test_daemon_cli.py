@@ -6,6 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from kvprefetchd.addresses import SOCKET_CHAIN
+from kvprefetchd.config_keys import KEYS
+
 
 def help_text() -> str:
     return subprocess.run([sys.executable, "-m", "kvprefetchd", "--help"], capture_output=True,
@@ -28,6 +31,16 @@ def test_help_documents_every_flag_the_command_and_the_environment() -> None:
                 index + 1 < len(lines) and lines[index + 1].startswith(" " * 10))
             assert described, f"undocumented: {stripped}"
     assert "install-systemd" in text
-    for variable in ("KVPREFETCHD_METRICS", "RUNTIME_DIRECTORY", "NOTIFY_SOCKET",
-                     "JOURNAL_STREAM"):
+    for variable in ("KVPREFETCHD_METRICS", "KVPREFETCHD_SOCKET", "RUNTIME_DIRECTORY",
+                     "XDG_RUNTIME_DIR", "NOTIFY_SOCKET", "JOURNAL_STREAM"):
         assert variable in text, variable
+    # the default socket's chain, as the daemon resolves it (kvprefetchd.addresses)
+    chain = " ".join(text[text.index("The default socket:"):].split())
+    assert chain.startswith(" ".join(f"The default socket: {SOCKET_CHAIN}.".split()))
+
+
+def test_every_config_key_with_a_flag_is_in_the_help() -> None:
+    text = help_text()
+    for key in KEYS:
+        if key.flag is not None:
+            assert key.flag.name in text, key.name

@@ -80,21 +80,24 @@ def parse_endpoint(address: str) -> Endpoint:
     raise ValueError(f"{address!r}: unknown scheme {scheme!r} (unix, tls or tcp)")
 
 
-def default_socket() -> str:
-    """The daemon's socket when nobody names one; the same chain the daemon binds by.
+def default_socket(systemd_socket: str = DEFAULT_SOCKET) -> str:
+    """The daemon's socket when nobody names one: the daemon's own chain (its
+    addresses.default_socket_path; docs/configuration.md, "The default socket"), which
+    clients/go/testdata/default_socket.json holds the daemon and both clients to.
 
-    KVPREFETCHD_SOCKET first; then the systemd location if a daemon is there;
-    then $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR, /tmp (a daemon started by hand).
+    $KVPREFETCHD_SOCKET if set; else the systemd path if a daemon is there; else
+    kvprefetchd.sock in $RUNTIME_DIRECTORY, then $XDG_RUNTIME_DIR (the first entry, when
+    absolute); else /tmp/kvprefetchd.sock (a daemon started by hand).
     """
     explicit = os.environ.get("KVPREFETCHD_SOCKET")
     if explicit:
         return explicit
-    if os.path.exists(DEFAULT_SOCKET):
-        return DEFAULT_SOCKET
+    if os.path.exists(systemd_socket):
+        return systemd_socket
     for env in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
-        base = os.environ.get(env)
-        if base:
-            return os.path.join(base.split(":")[0], "kvprefetchd.sock")
+        base = os.environ.get(env, "").split(":")[0]
+        if base.startswith("/"):
+            return os.path.join(base, "kvprefetchd.sock")
     return "/tmp/kvprefetchd.sock"
 
 
