@@ -32,10 +32,6 @@ from hypothesis import strategies as st
 from kvharness.wire import frame
 from kvprefetchd.protocol import (
     BAD_REQUEST,
-    DAY_MS,
-    MAX_DEADLINE_MS,
-    MAX_FAILURES_ASKED,
-    MAX_TIMEOUT_MS,
     OPS,
     Frame,
     FrameReader,
@@ -45,6 +41,7 @@ from kvprefetchd.protocol import (
     encode_frame,
     parse_request,
 )
+from kvprefetchd.request_fields import DAY_MS, MAX_DEADLINE_MS, MAX_FAILURES_ASKED, MAX_TIMEOUT_MS
 from kvprefetchd.roots.confine import Roots
 from protocol_target import (
     ROOT,

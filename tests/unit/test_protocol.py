@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from kvprefetchd.engines.base import deadline_ns
 from kvprefetchd.protocol import (
     BAD_REQUEST,
-    DAY_MS,
     HEADER,
     TOO_LARGE,
     UNKNOWN_OP,
@@ -21,13 +20,16 @@ from kvprefetchd.protocol import (
     FrameReader,
     Limits,
     RequestError,
-    deadline_of,
     decode_payload,
     encode_frame,
     nests_deeper_than,
+    parse_request,
+)
+from kvprefetchd.request_fields import (
+    DAY_MS,
+    deadline_of,
     parse_inspect_options,
     parse_paths,
-    parse_request,
     parse_warm_options,
 )
 

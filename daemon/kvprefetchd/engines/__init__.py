@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from kvprefetchd.engines.base import BatchEngine, Engine, EngineSettings
 from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.native import NativeUnavailable, load_native
+from kvprefetchd.protocol import WARM_MODES
 
 log = logging.getLogger("kvprefetchd.engines")
-
-WARM_MODES = ("read", "advise")
 
 
 class NoEngine(RuntimeError):

@@ -32,6 +32,7 @@ SIGHUP re-reads the certificate files; a bad new set is refused and the old one 
 like a bad config; connections whose identity the new list drops, or whose chain ended
 at a CA the new `tls_client_ca_file` no longer holds, are cut (`tls_ca_revoked`).
 Whatever a peer's socket throws costs that peer only (peer_errors.py, listening.Unforeseen).
+The TLS context is made in tls_context.py; refused peers are let go in linger.py.
 """
 
 from __future__ import annotations
@@ -45,21 +46,27 @@ import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvprefetchd.config import Config, split_host_port
+from kvprefetchd.addresses import split_host_port
+from kvprefetchd.config import Config
+from kvprefetchd.listeners.connection import Connection
 from kvprefetchd.listeners.handshakes import Handshake, HandshakeGate, displaced
-from kvprefetchd.listeners.listening import AcceptRest, Hush, accept_ready, out_of_fds, refuse
+from kvprefetchd.listeners.linger import Lingering
+from kvprefetchd.listeners.listening import (
+    AcceptRest,
+    Hush,
+    Unforeseen,
+    accept_ready,
+    out_of_fds,
+    refuse,
+)
 from kvprefetchd.listeners.peer_errors import caused_by_peer, describe, would_block
+from kvprefetchd.listeners.tls_context import TlsSetupError, server_context
 from kvprefetchd.listeners.tls_identity import identities, trust_of, trusted
 from kvprefetchd.protocol import FORBIDDEN, OVERLOADED, encode_frame, error_reply
 
-if TYPE_CHECKING:
-    from kvprefetchd.listeners.server import Server
-
 log = logging.getLogger("kvprefetchd.tcp")
-
-LINGER_S = 2.0  # how long a refused peer is given to read why and close
 # Handshake steps (do_handshake calls) and accepts per turn of the loop. A handshake costs
 # the supervisor ~1.4 ms in all, most of it in the step that does the key exchange and the
 # signature (0.3.0 measured: 374 certificate-less handshakes a second took 54% of a core,
@@ -68,31 +75,23 @@ HANDSHAKE_STEPS = 8
 ACCEPTS_PER_TURN = 64
 
 
-class TlsSetupError(RuntimeError):
-    """The certificate, key or CA files cannot make a server context."""
+class Connections(Protocol):
+    """What the listener asks of the server that keeps the connections (server.py, which
+    makes the listener: named here so that this module does not import it back)."""
 
+    connections: dict[int, Connection]
+    unforeseen: Unforeseen
 
-def server_context(config: Config) -> ssl.SSLContext | None:
-    """The TLS context for the listener (None: plaintext on loopback)."""
-    if config.tcp_plaintext_loopback:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.verify_mode = ssl.CERT_REQUIRED
-    try:
-        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
-        context.load_verify_locations(cafile=config.tls_client_ca_file)
-    except (OSError, ssl.SSLError) as error:
-        raise TlsSetupError(f"TLS files (tls_cert_file, tls_key_file, tls_client_ca_file): "
-                            f"{error}") from error
-    return context
+    def add_connection(self, sock: socket.socket, *, address: str) -> Connection: ...
+
+    def revoke(self, connection: Connection) -> None: ...
 
 
 @dataclass
 class TcpListener:
     """The listening socket, the handshakes in progress, and connections per address."""
 
-    server: Server
+    server: Connections
     config: Config
     selector: selectors.BaseSelector
     events: Counter[str]
@@ -101,10 +100,7 @@ class TcpListener:
     trusted: frozenset[bytes] = frozenset()  # what tls_identity.trust_of may say now
     handshakes: dict[int, Handshake] = field(default_factory=dict)
     per_address: Counter[str] = field(default_factory=Counter)
-    # Refused peers told why: kept open (reads discarded) until they close or LINGER_S
-    # passes, so the refusal is not lost to a reset (closing with their request unread
-    # would send one, and the reset discards what the peer had not read yet).
-    lingering: dict[int, tuple[socket.socket, float, str]] = field(default_factory=dict)
+    lingering: Lingering = field(init=False)  # refused peers told why, until they close
     accepting: bool = False
     resting: AcceptRest = field(default_factory=lambda: AcceptRest("tcp", log))
     gate: HandshakeGate = field(init=False)
@@ -114,6 +110,7 @@ class TcpListener:
     def __post_init__(self) -> None:
         self.gate = HandshakeGate(self.config.tls_handshake_rate,
                                   self.config.tls_handshake_rate_per_address)
+        self.lingering = Lingering(self.selector, self.release, self.server.unforeseen)
 
     def listen(self) -> None:
         """Bind and load the TLS files; any failure stops the daemon at start."""
@@ -344,49 +341,10 @@ class TcpListener:
             self.forget(handshake)
             message = ("this client certificate may not use kvprefetchd" if reply == FORBIDDEN
                        else why)
-            self.linger(handshake.sock, handshake.address,
-                        encode_frame(error_reply(None, reply, message)))
+            self.lingering.linger(handshake.sock, handshake.address,
+                                  encode_frame(error_reply(None, reply, message)))
             return
         self.close_handshake(handshake)
-
-    # ---- lingering refused peers -------------------------------------------------------------
-
-    def linger(self, sock: ssl.SSLSocket, address: str, farewell: bytes) -> None:
-        """Send one last frame, end our side, and wait for the peer to close."""
-        with contextlib.suppress(OSError):
-            sock.send(farewell)  # a few hundred bytes: the socket buffer takes them
-        with contextlib.suppress(OSError):
-            socket.socket.shutdown(sock, socket.SHUT_WR)
-        fd = sock.fileno()
-        self.lingering[fd] = (sock, time.monotonic() + LINGER_S, address)
-        self.selector.register(sock, selectors.EVENT_READ,
-                               functools.partial(self.on_linger_event, fd))
-
-    def on_linger_event(self, fd: int, _events: int) -> None:
-        """Discard what a refused peer still sends until it closes; whatever this throws
-        ends that linger only."""
-        if fd not in self.lingering:
-            return
-        sock, _, address = self.lingering[fd]
-        try:
-            if socket.socket.recv(sock, 4096):
-                return  # discarded; wait for the close
-        except OSError as error:
-            if would_block(error):
-                return
-            if not caused_by_peer(error):
-                self.server.unforeseen.happened(f"{address} (refused, lingering)", error)
-        except Exception as error:
-            self.server.unforeseen.happened(f"{address} (refused, lingering)", error)
-        self.end_linger(fd)
-
-    def end_linger(self, fd: int) -> None:
-        sock, _, address = self.lingering.pop(fd)
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(sock)
-        self.release(address)
-        with contextlib.suppress(OSError):
-            sock.close()
 
     # ---- books -----------------------------------------------------------------------------
 
@@ -412,9 +370,7 @@ class TcpListener:
             del self.per_address[address]
 
     def sweep(self, now: float) -> None:
-        for fd, (_, until, _) in list(self.lingering.items()):
-            if now >= until:
-                self.end_linger(fd)
+        self.lingering.sweep(now)
         timeout = self.config.tls_handshake_timeout
         for handshake in list(self.handshakes.values()):
             if timeout and now - handshake.started > timeout:
@@ -457,8 +413,7 @@ class TcpListener:
                 self.server.revoke(connection)
 
     def close(self) -> None:
-        for fd in list(self.lingering):
-            self.end_linger(fd)
+        self.lingering.close()
         for handshake in list(self.handshakes.values()):
             self.close_handshake(handshake)
         if self.sock is not None:

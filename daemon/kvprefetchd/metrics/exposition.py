@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import cast
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -35,6 +36,8 @@ from kvprefetch.stats import (
     Stats,
     WorkerStats,
 )
+from kvprefetchd.metrics.limits import CLOSE_REASONS, SCRAPE_RESULTS
+from kvprefetchd.protocol import OUTCOMES
 
 # The text format generate_latest() writes: what every scraper parses, the default.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -150,10 +153,6 @@ def _requests(requests: Mapping[str, int], events: Mapping[str, int]) -> Iterato
 
 # Events with a family of their own (below), left out of kvprefetchd_events_total.
 OWN_FAMILY_PREFIXES = ("log_", "metrics_")
-# The metrics endpoint's counts (metrics_http.MetricsServer.counts) by family and label.
-_SCRAPE_RESULTS = ("served", "not_found", "bad")
-_CLOSE_REASONS = ("expired", "evicted", "refused", "refused_address", "refused_address_rate",
-                  "refused_rate")
 
 
 def _log_sink(events: Mapping[str, int]) -> Iterator[Metric]:
@@ -177,11 +176,11 @@ def _log_sink(events: Mapping[str, int]) -> Iterator[Metric]:
 
 
 def _metrics_endpoint(events: Mapping[str, int]) -> Iterator[Metric]:
-    """This endpoint's own bounds (metrics_limits.py): each refusal counted by reason."""
+    """This endpoint's own bounds (limits.py): each refusal counted by reason."""
     yield _event_counts(
         "kvprefetchd_metrics_scrapes",
         "Requests to the metrics endpoint by result (served, not_found, bad).",
-        "result", _SCRAPE_RESULTS, events, "metrics_",
+        "result", SCRAPE_RESULTS, events, "metrics_",
     )
     yield _single(
         "kvprefetchd_metrics_cached_scrapes",
@@ -195,7 +194,7 @@ def _metrics_endpoint(events: Mapping[str, int]) -> Iterator[Metric]:
         "slot was taken), refused (no slot), refused_address "
         "(metrics_max_clients_per_address), refused_address_rate "
         "(metrics_rate_per_address), refused_rate (metrics_rate).",
-        "reason", _CLOSE_REASONS, events, "metrics_",
+        "reason", CLOSE_REASONS, events, "metrics_",
     )
     yield _single(
         "kvprefetchd_metrics_accept_pauses",
@@ -205,6 +204,18 @@ def _metrics_endpoint(events: Mapping[str, int]) -> Iterator[Metric]:
     )
 
 
+def file_outcomes(files: FileCounts) -> dict[str, int]:
+    """Files by outcome: every outcome of accepted files `stats` counts (protocol.OUTCOMES,
+    the books' own list, so a new outcome is a new series by construction), then `dropped`.
+    The supervisor's rejections and the workers' are both `rejected`, as the protocol
+    counts them."""
+    counts = cast(Mapping[str, int], files)
+    by_outcome = {outcome: counts[outcome] for outcome in OUTCOMES}
+    by_outcome["rejected"] += files["rejected_by_supervisor"]
+    by_outcome["dropped"] = files["dropped"]
+    return by_outcome
+
+
 def _files(files: FileCounts, stats: Stats) -> Iterator[Metric]:
     outcomes = CounterMetricFamily(
         "kvprefetchd_files",
@@ -212,14 +223,7 @@ def _files(files: FileCounts, stats: Stats) -> Iterator[Metric]:
         "workers' refusals).",
         labels=["outcome"],
     )
-    # The supervisor's and the workers' refusals are both `rejected`, as the protocol counts.
-    by_outcome = {
-        "read": files["read"], "resident": files["resident"], "missing": files["missing"],
-        "rejected": files["rejected"] + files["rejected_by_supervisor"],
-        "failed": files["failed"], "dropped": files["dropped"], "expired": files["expired"],
-        "futile": files["futile"],
-    }
-    for outcome, value in by_outcome.items():
+    for outcome, value in file_outcomes(files).items():
         outcomes.add_metric([outcome], value)
     yield outcomes
     yield _single("kvprefetchd_files_accepted", "Files queued to a worker.", "counter",

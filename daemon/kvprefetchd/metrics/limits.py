@@ -34,6 +34,18 @@ from kvprefetchd.listeners.tokenbucket import TokenBucket
 if TYPE_CHECKING:
     from kvprefetchd.config import Config
 
+# What the endpoint counts (MetricsServer.counts, the `metrics_*` events of `stats`), by
+# the label of the family each is a series of (exposition.py, docs/metrics.md): a scrape's
+# result, and why a connection was closed unserved. Admission.refusal names the last three.
+SCRAPE_RESULTS = ("served", "not_found", "bad")
+REFUSED_ADDRESS = "refused_address"
+REFUSED_ADDRESS_RATE = "refused_address_rate"
+REFUSED_RATE = "refused_rate"
+CLOSE_REASONS = ("expired", "evicted", "refused", REFUSED_ADDRESS, REFUSED_ADDRESS_RATE,
+                 REFUSED_RATE)
+# The counts with no label of their own: scrapes served from the cache, accept pauses.
+OTHER_COUNTS = ("cached", "accept_paused")
+
 # Per-address token buckets remembered at most (least recently seen forgotten first: a
 # forgotten address starts with a full bucket, and the shared bucket still applies).
 MAX_ADDRESSES = 4096
@@ -102,13 +114,13 @@ class Admission:
     def refusal(self, key: str | None, now: float) -> str | None:
         if key is not None:
             if self.open.get(key, 0) >= self.limits.max_clients_per_address:
-                return "refused_address"
+                return REFUSED_ADDRESS
             if not self._bucket(key, now).take(now):
-                return "refused_address_rate"
+                return REFUSED_ADDRESS_RATE
             if self._known(key, now):
                 return None
         if not self.shared.take(now):
-            return "refused_rate"
+            return REFUSED_RATE
         return None
 
     def opened(self, key: str | None) -> None:

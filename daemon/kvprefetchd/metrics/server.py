@@ -23,11 +23,18 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvprefetchd.config import MetricsAddress, parse_metrics_address
+from kvprefetchd.addresses import MetricsAddress, parse_metrics_address
 from kvprefetchd.listeners.listening import AcceptRest, accept_ready, listen_unix, out_of_fds
 from kvprefetchd.listeners.tokenbucket import TokenBucket
 from kvprefetchd.metrics.exposition import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
-from kvprefetchd.metrics.limits import Admission, MetricsLimits, address_key
+from kvprefetchd.metrics.limits import (
+    CLOSE_REASONS,
+    OTHER_COUNTS,
+    SCRAPE_RESULTS,
+    Admission,
+    MetricsLimits,
+    address_key,
+)
 
 log = logging.getLogger("kvprefetchd.metrics")
 
@@ -121,11 +128,7 @@ class MetricsServer:
         self.selector: selectors.BaseSelector | None = None
         self.clients: dict[int, _Client] = {}  # in accept order (the oldest first)
         self.cache: dict[bool, tuple[float, bytes]] = {}  # openmetrics? -> (rendered, body)
-        self.counts = {
-            "served": 0, "cached": 0, "not_found": 0, "bad": 0, "expired": 0,
-            "evicted": 0, "refused": 0, "refused_address": 0, "refused_address_rate": 0,
-            "refused_rate": 0, "accept_paused": 0,
-        }
+        self.counts = dict.fromkeys((*SCRAPE_RESULTS, *CLOSE_REASONS, *OTHER_COUNTS), 0)
         self.family = listener.family
         self.resting = AcceptRest("metrics", log, clock)  # out of fds: listener not watched
         self.accepts = TokenBucket(ACCEPTS_PER_SECOND, ACCEPT_BURST, clock())

@@ -25,7 +25,8 @@ from kvprefetch.stats import KVStats
 from kvprefetchd import kv
 from kvprefetchd.config import Config
 from kvprefetchd.protocol import BAD_REQUEST, OVERLOADED, TOO_LARGE, RequestError
-from kvprefetchd.roots.scout import Discover, Failed, Scan, Scout, beneath, not_beneath
+from kvprefetchd.roots.scout import Scout
+from kvprefetchd.roots.tasks import Discover, Failed, Scan, beneath, not_beneath
 
 log = logging.getLogger("kvprefetchd.kv")
 

@@ -1,13 +1,13 @@
 """The allowed roots as the supervisor holds them: opened, and kept true, by the scout.
 
-Each root is opened off the loop (scout.OpenRoot: a no-follow walk with ownership
+Each root is opened off the loop (tasks.OpenRoot: a no-follow walk with ownership
 checks, roots.py), on a scout lane of its own, so a root whose file system hangs delays
 no other. Its directory fd is what workers resolve beneath and respawned workers
 inherit: nothing resolves the root's path but that walk.
 
 The walk is repeated: every CHECK_SECONDS, at once (at most every SOON_SECONDS) when the
 mount table changes (MountWatch) and, for a root not open, when a request names it. A
-check compares the directory the path leads to now with the one held (scout.
+check compares the directory the path leads to now with the one held (tasks.
 replaced_because): a root removed and made again, a file system mounted over it or
 unmounted from it, a FUSE root remounted, is reopened through the same walk, and the
 new fd replaces the old one in the supervisor and in every worker (under the same fd
@@ -47,7 +47,8 @@ from kvprefetchd.channel import RootTier
 from kvprefetchd.config import Config
 from kvprefetchd.native import load_native
 from kvprefetchd.roots.residency import RootRule
-from kvprefetchd.roots.scout import Failed, OpenRoot, Passed, Scout, Unchanged
+from kvprefetchd.roots.scout import Scout
+from kvprefetchd.roots.tasks import Failed, OpenRoot, Passed, Unchanged
 
 log = logging.getLogger("kvprefetchd")
 

@@ -17,7 +17,9 @@ own lane, and every other root opens and is checked at once whatever it does.
 Tasks and results are pickled: both ends are this program, forked, and what a task
 carries (a parsed profile, a path) was built by the supervisor, never unpickled from
 a client's bytes. An fd travels beside a task or a result (SCM_RIGHTS): the root a
-revalidation compares with, the root an OpenRoot opened.
+revalidation compares with, the root an OpenRoot opened. This module is the supervisor's
+side (the lanes); the tasks are in tasks.py, the child's loop and the frames in
+scout_child.py.
 """
 
 from __future__ import annotations
@@ -33,239 +35,20 @@ import pickle
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
-from kvprefetchd import kv
-from kvprefetchd.channel import close_other_fds
-from kvprefetchd.roots.opening import RootMissing, RootRefused, Trust, open_root
-from kvprefetchd.roots.residency import RootRule, rule_for_fd
+from kvprefetchd.roots.scout_child import HEADER, MAX_FDS, MAX_REPLY_BYTES, scout_main, send_message
+from kvprefetchd.roots.tasks import Failed, Passed, Task
 from kvprefetchd.supervisor.stuck import Stuck
 
 log = logging.getLogger("kvprefetchd.scout")
 
-HEADER = struct.Struct(">I")
-MAX_REPLY_BYTES = 64 << 20  # a listing of a huge root_dir; anything larger is a bug
-MAX_FDS = 4  # fds one message may carry (a task or a result carries at most one)
 MAIN = "main"  # the lane of every task not given one (the KV service's)
-
-
-# ---- tasks (run in the scout) ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OpenRoot:
-    """Open an allowed root without following symlinks (roots.py) and choose its rule.
-
-    Given the fd the daemon holds for the root (passed with the task), it is a check:
-    Unchanged while the path still leads to that very directory, else the directory the
-    path leads to now, with why the held one is no longer it (Passed.replaced)."""
-
-    path: str
-    residency: str  # configured: auto, tier, pagecache or off
-    checks: bool = True
-    extent: str = "auto"  # warm_extent configured: auto, head or whole
-
-    def run(self, fds: Sequence[int] = ()) -> Any:
-        held = fds[0] if fds else -1
-        try:
-            fd = open_root(self.path, checks=self.checks, trust=Trust.here())
-        except RootMissing as missing:
-            return Failed("missing", str(missing))
-        except RootRefused as refused:
-            return Failed("refused", str(refused))
-        except OSError as error:
-            return Failed("error", f"root {self.path}: {error.strerror}")
-        try:
-            replaced = replaced_because(fd, held) if held >= 0 else ""
-            if held >= 0 and not replaced:
-                os.close(fd)
-                return Unchanged()
-            return Passed(rule_for_fd(fd, self.path, self.residency, self.extent), fd, replaced)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
-
-
-def replaced_because(fd: int, held: int) -> str:
-    """Why the directory `held` is no longer the one the path leads to now (`fd`, just
-    opened); "" while it still is.
-
-    A removed directory lives on while an fd holds it, with no links left, and ext4 may
-    give its inode number to the next directory made: the link count is looked at before
-    the identity. A FUSE mount whose server went away answers ENOTCONN (and a file
-    system torn down, ENODEV) to the fstat or the fstatfs of what it held.
-    """
-    now = os.fstat(fd)
-    try:
-        was = os.fstat(held)
-        if was.st_nlink == 0:
-            return "the directory held was removed"
-        if (was.st_dev, was.st_ino) != (now.st_dev, now.st_ino):
-            return (f"the path leads to another directory now, device "
-                    f"{os.major(now.st_dev)}:{os.minor(now.st_dev)} inode {now.st_ino}, "
-                    f"not {os.major(was.st_dev)}:{os.minor(was.st_dev)} inode {was.st_ino}")
-        os.fstatvfs(held)
-    except OSError as error:
-        return f"the file system held is gone ({error.strerror})"
-    return ""
-
-
-@dataclass(frozen=True)
-class ProfileTask:
-    """A task over a profile's root_dir: refused unless that folder is beneath a root."""
-
-    profile: kv.Profile
-    roots: tuple[str, ...]
-
-    def run(self, fds: Sequence[int] = ()) -> Any:
-        if not real_path_beneath(self.profile.layout.root_dir, self.roots):
-            return Failed("refused", not_beneath(self.profile))
-        try:
-            return self.work()
-        except kv.DiscoveryError as error:
-            return Failed("error", f"{self.what}: {error}")
-
-    what = "profile task"
-
-    def work(self) -> Any:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class Discover(ProfileTask):
-    """Find a `discover` profile's fingerprint folder under its root_dir."""
-
-    what = "fingerprint discovery"
-
-    def work(self) -> Any:
-        return kv.discover_fingerprint(self.profile).fingerprint
-
-
-@dataclass(frozen=True)
-class Scan(ProfileTask):
-    """Every fingerprint folder of a profile's model, for the stale-profile detector."""
-
-    what = "fingerprint scan"
-
-    def work(self) -> Any:
-        return kv.scan(self.profile)
-
-
-Task = OpenRoot | Discover | Scan
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A task's honest failure; `kind` "timeout" when the scout did not answer in time,
-    "unavailable" when no scout could be asked (the supervisor is out of fds or
-    processes: nothing was looked at)."""
-
-    kind: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Passed:
-    """A root opened: its rule, and its fd (passed over the socket with SCM_RIGHTS);
-    `replaced`: why the directory held until now is no longer the root (a check)."""
-
-    rule: RootRule
-    fd: int = -1
-    replaced: str = ""
-
-
-@dataclass(frozen=True)
-class Unchanged:
-    """A check found the root's path leading to the very directory held."""
-
-
-def real_path_beneath(path: str, roots: tuple[str, ...]) -> bool:
-    """`path` lies beneath a root once symlinks are resolved (a stat of every component:
-    the scout's business, never the supervisor's)."""
-    real = os.path.realpath(path)
-    return any(beneath(real, os.path.realpath(root)) for root in roots)
-
-
-def beneath(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def not_beneath(profile: kv.Profile) -> str:
-    return (f"layout.root_dir {profile.layout.root_dir!r} is not under an allowed root: an "
-            'inline layout may "discover" only beneath the daemon\'s roots (or give '
-            "layout.fingerprint)")
-
-
-# ---- the scout process -----------------------------------------------------------------
-
-
-def send_message(sock: socket.socket, payload: Any, fds: Sequence[int] = ()) -> None:
-    body = pickle.dumps(payload)
-    data = HEADER.pack(len(body)) + body
-    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
-    if sent < len(data):
-        sock.sendall(data[sent:])
-
-
-def recv_exact(sock: socket.socket, count: int, fds: list[int]) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        chunk, got, _, _ = socket.recv_fds(sock, count - len(data), MAX_FDS)
-        if not chunk:
-            raise EOFError("the other end closed")
-        fds.extend(got)
-        data += chunk
-    return bytes(data)
-
-
-def scout_main(sock: socket.socket, lane: str) -> NoReturn:
-    """The child: run each task in turn, answer with its result (and an fd if it made one)."""
-    status = 0
-    try:
-        close_other_fds({0, 1, 2, sock.fileno()})
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.set_wakeup_fd(-1)
-        with contextlib.suppress(ImportError):
-            import setproctitle
-
-            setproctitle.setproctitle(
-                "kvprefetchd: scout" if lane == MAIN else f"kvprefetchd: scout ({lane})")
-        sock.setblocking(True)
-        while True:
-            fds: list[int] = []  # the fds a task came with: its own, closed after it ran
-            (length,) = HEADER.unpack(recv_exact(sock, HEADER.size, fds))
-            number, task = pickle.loads(recv_exact(sock, length, fds))
-            try:
-                result = task.run(fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            if isinstance(result, Passed) and result.fd >= 0:
-                send_message(sock, (number, result), (result.fd,))
-                os.close(result.fd)
-            else:
-                send_message(sock, (number, result))
-    except (EOFError, ConnectionResetError):
-        pass  # the supervisor is gone (a reset: it closed with our answer unread)
-    except BaseException:
-        log.exception("the scout crashed")
-        status = 1
-    finally:
-        sys.stderr.flush()
-    os._exit(status)
-
-
-# ---- the supervisor's side -------------------------------------------------------------
 
 
 @dataclass
@@ -366,7 +149,8 @@ class Lane:
             raise
         if pid == 0:  # pragma: no cover - the child never returns here
             ours.close()
-            scout_main(theirs, self.name)
+            scout_main(theirs, "kvprefetchd: scout" if self.name == MAIN
+                       else f"kvprefetchd: scout ({self.name})")
         theirs.close()
         ours.setblocking(False)
         self.process = ScoutProcess(pid, ours)
