@@ -1,31 +1,35 @@
-"""Typed messages between the supervisor and a worker over their socketpair.
+"""Every record that crosses between the supervisor and a worker, typed, and its wire form.
 
 The same length-prefixed msgpack framing as the public protocol, without its request
-envelope: both ends are ours. Each message is a small class; on the wire it is the array
-[kind, field, field, ...] in the class's field order, and only this module knows that
-order, so neither side indexes a message by position.
+envelope: both ends are ours. Each message is a class; on the wire it is the array
+[kind, field, field, ...], and only this module knows that order (encode, decode), so
+neither side indexes a record by position (tests/unit/test_channel_records.py reads the
+other modules' code to keep it so).
 
-  supervisor -> worker   Warm: files to warm, in one warm mode, to one depth
-                         Root: a root opened (or reopened) since the worker started; its
-                         directory fd travels with the message (SCM_RIGHTS), or none:
-                         the root was let go
+  supervisor -> worker   Warm: a share of files to warm, in one warm mode, to one depth
+                         Check, Evict: a share of files to look at, or to drop from cache
+                         Root: a root opened, reopened or let go since the worker started
+                         (its directory fd travels beside, SCM_RIGHTS)
   worker -> supervisor   Ready (booted, with its engine), BootFailed (why it cannot boot),
                          Done (outcomes since the last Done: the worker's heartbeat)
 
-Files travel as buffers one way (a Warm carries its request's share: root indexes and
-NUL-ended names, made by admission and read by the native probe without a Python object
-per file) and as counts or plain arrays the other ([ticket, outcome, bytes, errno] for a
-file not warmed, a bulk record per share for warmed ones): there are thousands per
-message, and a class per file would cost more than the residency check it reports.
+Files travel as columns, never as a Python object per file: thousands go in one message,
+and a record per file would cost more than the residency check it reports. One way a
+Share (root indexes, NUL-ended names: made by admission, read by the native probe); the
+other a Settled (followed files not warmed: tickets, outcomes, bytes, errnos), a Looked
+(check and evict results) and per share a Bulk (files warmed, by index), plus counts of
+unfollowed files. A followed file is named by its ticket (ticket_of); an unfollowed one
+(a fire-and-forget request's: nobody waits for it) has share id and ticket UNFOLLOWED.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import select
 import socket
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -37,59 +41,111 @@ from kvprefetchd.protocol import HEADER, FrameReader
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_FDS = 16  # fds one read may carry: Root messages are rare and one fd each
 
-# [ticket, outcome name, bytes read], [.., errno] for a file not warmed, and
-# [ticket, state, 0, errno, size, cached bytes, tier bytes] for a check or evict.
-Settled = list[Any]
-# [share id, outcome ("read" or "resident"), files, bytes read, their indexes (uint32,
-# native order)]: files of one share settled warm, reported at once.
-Bulk = list[Any]
+# ---- tickets -------------------------------------------------------------------------------
+
+# A ticket names one file of a followed request: its share's id in the high bits, its
+# index in that share in the low ones. max_paths_per_request (at most 10^7) fits.
+TICKET_INDEX_BITS = 24
+_TICKET_INDEX_MASK = (1 << TICKET_INDEX_BITS) - 1
+UNFOLLOWED = 0  # the share id, and the ticket, of unfollowed files: reported as counts
+
+
+def ticket_of(share_id: int, index: int) -> int:
+    return share_id << TICKET_INDEX_BITS | index
+
+
+def share_id_of(ticket: int) -> int:
+    return ticket >> TICKET_INDEX_BITS
+
+
+def index_of(ticket: int) -> int:
+    return ticket & _TICKET_INDEX_MASK
+
+
+# ---- the share: a worker's part of a request ---------------------------------------------
+
+ROOT_INDEX_TYPE = "H"  # a root index: uint16, native order (native/admit.c, native/probe.c)
+
+
+@dataclass(slots=True, frozen=True)
+class Share:
+    """A worker's part of a request: per file its root index (ROOT_INDEX_TYPE) and its
+    relative name, each name ended by NUL. Both buffers go to the native probe as they
+    are."""
+
+    roots: bytes
+    paths: bytes
+
+    @staticmethod
+    def roots_size(count: int) -> int:
+        """The bytes of `roots` for `count` files."""
+        return count * array(ROOT_INDEX_TYPE).itemsize
+
+    @property
+    def count(self) -> int:
+        return len(self.roots) // array(ROOT_INDEX_TYPE).itemsize
+
+    def names(self) -> list[bytes]:
+        return self.paths.split(b"\0")[:-1]
+
+    def root_indexes(self) -> array[int]:
+        indexes = array(ROOT_INDEX_TYPE)
+        indexes.frombytes(self.roots)
+        return indexes
+
+    @classmethod
+    def of(cls, roots: Sequence[int], names: Sequence[bytes]) -> Share:
+        return cls(array(ROOT_INDEX_TYPE, roots).tobytes(),
+                   b"".join(name + b"\0" for name in names))
+
+
+# ---- supervisor -> worker ------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class Warm:
-    """Files for a worker to warm `read_bytes` deep in `warm_mode` ("read" or "advise"),
-    or to look at (INSPECT_MODES: check, evict), by `deadline` (CLOCK_MONOTONIC seconds,
-    0: none: one clock for both processes) with item `flags` (KVP_ITEM_*).
-
-    The files are a request's share (admit.Share): `roots` (uint16 per file, native
-    order) and `paths` (relative names, each ended by NUL). `share` is its id in the
-    books (file i's ticket is books.ticket_of(share, i)); 0: fire and forget, whose
-    outcomes are reported as counts. `client` is who sent the request (the supervisor's
-    number for its peer): the queue engines let clients take turns on a root
-    (native/schedule.c)."""
+    """`files` for a worker to warm `read_bytes` deep in `warm_mode` ("read" or "advise"),
+    by `deadline` (CLOCK_MONOTONIC seconds, 0: none: one clock for both processes) with
+    item `flags` (KVP_ITEM_*). `share_id` is the share's id in the books (file i's ticket
+    is ticket_of(share_id, i)); UNFOLLOWED: their outcomes are reported as counts.
+    `client` is who sent the request (the supervisor's number for its peer): the queue
+    engines let clients take turns on a root (native/schedule.c)."""
 
     KIND: ClassVar[str] = "warm"
+    files: Share
+    share_id: int
     read_bytes: int
     warm_mode: str
-    share: int
-    roots: bytes
-    paths: bytes
     deadline: float = 0.0
     flags: int = 0
     client: int = 0
 
 
-# Warm modes that read nothing: the check and evict verbs, run by kvp_inspect.
-CHECK, EVICT_HEAD, EVICT_FILE = "check", "evict_head", "evict_file"
-INSPECT_MODES = (CHECK, EVICT_HEAD, EVICT_FILE)
+@dataclass(slots=True)
+class Check:
+    """`files` for a worker to look at (kvp_inspect), `read_bytes` deep: each file's
+    state and figures come back in a Done's `looked`. Always followed."""
+
+    KIND: ClassVar[str] = "check"
+    files: Share
+    share_id: int
+    read_bytes: int
 
 
 @dataclass(slots=True)
-class Root:
-    """A root that opened, was reopened or was let go after the worker was forked: `fd`
-    is the one passed with the message (SCM_RIGHTS), -1 when none is (let go); on the
-    wire 0 says one travels beside, -1 none. `rule` its KVP_RES_* code; `keep` and
-    `whole` its tier profile's (RootTier)."""
+class Evict:
+    """`files` for a worker to drop from the page cache: their heads (`read_bytes`), or
+    the `whole` files. Reported as a Check is."""
 
-    KIND: ClassVar[str] = "root"
-    index: int
-    rule: int
-    keep: str = "pagecache"
+    KIND: ClassVar[str] = "evict"
+    files: Share
+    share_id: int
+    read_bytes: int
     whole: bool = False
-    fs_cache: str = ""
-    hold: bool = False
-    depth: int = 0
-    fd: int = -1
+
+
+# The verbs the ops hand the pool's inspect: a Check, or an Evict of heads or whole files.
+CHECK, EVICT_HEAD, EVICT_FILE = "check", "evict_head", "evict_file"
 
 
 @dataclass(frozen=True)
@@ -103,11 +159,26 @@ class RootTier:
     whole: bool = False
     fs_cache: str = ""
     hold: bool = False  # warmed files are held open for their consumer (holds.py)
-    # Reads in flight this worker starts the root at (0: initial_depth), trusted from its
-    # tier profile (residency.RootRule.start_depth): a FUSE mount's share of
-    # max_background, past which reads only queue in the kernel; a network file system's
-    # share of a deep start.
+    # Reads in flight to start the root at (0: initial_depth), from its tier profile
+    # (residency.RootRule.start_depth): a FUSE mount's share of max_background, past
+    # which reads only queue in the kernel; a network file system's share of a deep start.
     depth: int = 0
+
+
+@dataclass(slots=True)
+class Root:
+    """A root that opened, was reopened or was let go after the worker was forked: `fd`
+    is the one passed with the message (SCM_RIGHTS), -1 when none is (let go); on the
+    wire 0 says one travels beside, -1 none. `rule` its KVP_RES_* code."""
+
+    KIND: ClassVar[str] = "root"
+    index: int
+    rule: int
+    tier: RootTier = field(default_factory=RootTier)
+    fd: int = -1
+
+
+# ---- worker -> supervisor ------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -128,37 +199,190 @@ class BootFailed:
     reason: str
 
 
+class Settled:
+    """Followed files that were not warmed, column by column: per file its ticket, its
+    outcome, the bytes read of it (a file read and then found futile) and its errno (0:
+    none), which the reply names it with."""
+
+    __slots__ = ("errnos", "nbytes", "outcomes", "tickets")
+
+    def __init__(self) -> None:
+        self.tickets = array("Q")
+        self.outcomes: list[str] = []
+        self.nbytes = array("q")
+        self.errnos = array("i")
+
+    def __len__(self) -> int:
+        return len(self.tickets)
+
+    def add(self, ticket: int, outcome: str, nbytes: int = 0, error: int = 0) -> None:
+        self.tickets.append(ticket)
+        self.outcomes.append(outcome)
+        self.nbytes.append(nbytes)
+        self.errnos.append(error)
+
+    def add_run(self, share_id: int, indexes: Sequence[int], outcome: str,
+                error: int = 0) -> None:
+        """Files of one share settled alike, nothing read of them."""
+        count = len(indexes)
+        self.tickets.extend([share_id << TICKET_INDEX_BITS | index for index in indexes])
+        self.outcomes.extend([outcome] * count)
+        self.nbytes.frombytes(bytes(self.nbytes.itemsize * count))
+        self.errnos.extend(array("i", [error]) * count)
+
+
+class Looked:
+    """Files a Check or an Evict looked at, column by column: per file its ticket, its
+    state, errno, size, bytes cached and bytes in its file system's own cache (`tiers`)."""
+
+    __slots__ = ("cached", "errnos", "sizes", "states", "tickets", "tiers")
+
+    def __init__(self) -> None:
+        self.tickets = array("Q")
+        self.states: list[str] = []
+        self.errnos = array("i")
+        self.sizes = array("q")
+        self.cached = array("q")
+        self.tiers = array("q")
+
+    def __len__(self) -> int:
+        return len(self.tickets)
+
+    def add(self, ticket: int, state: str, error: int = 0, size: int = 0, cached: int = 0,
+            tier: int = 0) -> None:
+        self.tickets.append(ticket)
+        self.states.append(state)
+        self.errnos.append(error)
+        self.sizes.append(size)
+        self.cached.append(cached)
+        self.tiers.append(tier)
+
+
+@dataclass(slots=True)
+class Bulk:
+    """Files of one share settled alike, warm (`outcome` "read" or "resident"), reported
+    at once: how many, the bytes read, and their indexes, which the books keep should
+    the worker die with the rest out."""
+
+    share_id: int
+    outcome: str
+    count: int = 0
+    nbytes: int = 0
+    indexes: array[int] = field(default_factory=lambda: array("I"))
+
+    def add_one(self, index: int, nbytes: int) -> None:
+        self.count += 1
+        self.nbytes += nbytes
+        self.indexes.append(index)
+
+    def add(self, indexes: Sequence[int]) -> None:
+        """Files that were found warm: nothing read."""
+        self.count += len(indexes)
+        self.indexes.extend(indexes)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What reopening a file just warmed found of its root: "kept", "dropped" (reopen.py)."""
+
+    root_index: int
+    verdict: str
+
+
 @dataclass(slots=True)
 class Done:
     """Everything a worker settled since its last report; every batch ends in one."""
 
     KIND: ClassVar[str] = "done"
-    settled: list[Settled] = field(default_factory=list)  # followed files, one by one
+    settled: Settled = field(default_factory=Settled)  # followed files not warmed
+    looked: Looked = field(default_factory=Looked)  # followed files checked or evicted
     bulk: list[Bulk] = field(default_factory=list)  # followed files warmed, per share
     counters: dict[str, int] = field(default_factory=dict)  # deltas: batches, dedup hits
-    anonymous: dict[str, int] = field(default_factory=dict)  # fire-and-forget: outcome -> n
-    anonymous_bytes: int = 0
+    unfollowed: dict[str, int] = field(default_factory=dict)  # outcome -> files
+    unfollowed_bytes: int = 0
     latency_counts: list[int] = field(default_factory=list)  # per-file histogram, merged
     latency_sum: float = 0.0
     # The queue engines' state now (not deltas), at most twice a second: threads, reads
-    # running and stalled, files timed out, and per root index [depth, service time us].
+    # running and stalled, files timed out, and per root index [depth, service time us]
+    # (as stats reports it: docs/protocol.md).
     queue: dict[str, Any] = field(default_factory=dict)
-    # [root index, "kept" or "dropped"]: what a reopen found of a root whose profile
-    # could not say whether a warm-up survives to the consumer (worker.Verdicts).
-    verdicts: list[list[Any]] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)  # in the order they came
 
 
-Message = Warm | Root | Ready | BootFailed | Done
+Message = Warm | Check | Evict | Root | Ready | BootFailed | Done
 _KINDS: dict[str, type[Message]] = {
-    kind.KIND: kind for kind in (Warm, Root, Ready, BootFailed, Done)
+    kind.KIND: kind for kind in (Warm, Check, Evict, Root, Ready, BootFailed, Done)
 }
+
+# ---- the wire ------------------------------------------------------------------------------
+
+
+def _columns(values: list[str]) -> tuple[list[str], bytes]:
+    """A column of a few distinct names as (the names, one byte per value)."""
+    names: dict[str, int] = {}
+    codes = bytes([names.setdefault(value, len(names)) for value in values])
+    return list(names), codes
+
+
+def _array(typecode: str, data: bytes) -> array[int]:
+    column = array(typecode)
+    column.frombytes(data)
+    return column
+
+
+def _fields(message: Message) -> list[Any]:
+    """A message's fields in wire order; nested records flattened to columns."""
+    if isinstance(message, Warm | Check | Evict):
+        rest = [getattr(message, name) for name in message.__slots__[2:]]
+        return [message.files.roots, message.files.paths, message.share_id, *rest]
+    if isinstance(message, Root):
+        tier = message.tier
+        return [message.index, message.rule, tier.keep, tier.whole, tier.fs_cache, tier.hold,
+                tier.depth, 0 if message.fd >= 0 else -1]  # the fd goes beside (SCM_RIGHTS)
+    if isinstance(message, Done):
+        s, lk = message.settled, message.looked
+        names, codes = _columns(s.outcomes)
+        states, state_codes = _columns(lk.states)
+        return [
+            [s.tickets.tobytes(), names, codes,  # bytes: none (b"") for most reports
+             s.nbytes.tobytes() if s.nbytes.count(0) != len(s.nbytes) else b"",
+             s.errnos.tobytes()],
+            [lk.tickets.tobytes(), states, state_codes, lk.errnos.tobytes(),
+             lk.sizes.tobytes(), lk.cached.tobytes(), lk.tiers.tobytes()],
+            [[b.share_id, b.outcome, b.count, b.nbytes, b.indexes.tobytes()]
+             for b in message.bulk],
+            message.counters, message.unfollowed, message.unfollowed_bytes,
+            message.latency_counts, message.latency_sum, message.queue,
+            [[v.root_index, v.verdict] for v in message.verdicts],
+        ]
+    return [getattr(message, name) for name in message.__slots__]
+
+
+def _message(kind: type[Message], raw: list[Any]) -> Message:
+    if kind is Warm or kind is Check or kind is Evict:
+        return kind(Share(raw[0], raw[1]), *raw[2:])
+    if kind is Root:
+        return Root(raw[0], raw[1], RootTier(*raw[2:7]), raw[7])
+    if kind is Done:
+        settled, looked = Settled(), Looked()
+        tickets, names, codes, nbytes, errnos = raw[0]
+        settled.tickets = _array("Q", tickets)
+        settled.nbytes = _array("q", nbytes or bytes(len(settled.tickets) * 8))
+        settled.outcomes, settled.errnos = [names[c] for c in codes], _array("i", errnos)
+        tickets, names, codes, errnos, sizes, cached, tiers = raw[1]
+        looked.tickets, looked.states = _array("Q", tickets), [names[c] for c in codes]
+        looked.errnos, looked.sizes = _array("i", errnos), _array("q", sizes)
+        looked.cached, looked.tiers = _array("q", cached), _array("q", tiers)
+        bulk = [Bulk(share_id, outcome, count, nbytes, _array("I", indexes))
+                for share_id, outcome, count, nbytes, indexes in raw[2]]
+        counters, unfollowed, unfollowed_bytes, counts, latency_sum, queue, verdicts = raw[3:]
+        return Done(settled, looked, bulk, counters, unfollowed, unfollowed_bytes, counts,
+                    latency_sum, queue, [Verdict(index, verdict) for index, verdict in verdicts])
+    return kind(*raw)
 
 
 def encode(message: Message) -> bytes:
-    fields = [getattr(message, name) for name in message.__slots__]  # declaration order
-    if isinstance(message, Root):
-        fields[-1] = 0 if message.fd >= 0 else -1  # the fd itself goes beside (SCM_RIGHTS)
-    body: bytes = msgpack.packb([message.KIND, *fields], use_bin_type=True)
+    body: bytes = msgpack.packb([message.KIND, *_fields(message)], use_bin_type=True)
     return HEADER.pack(len(body)) + body
 
 
@@ -166,10 +390,13 @@ def decode(payload: bytes) -> Message:
     raw = msgpack.unpackb(payload, raw=False)
     if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
         raise ValueError(f"not a channel message: {str(raw)[:80]}")
-    kind = _KINDS[raw[0]]
-    if len(raw) - 1 != len(kind.__slots__):
-        raise ValueError(f"{raw[0]}: {len(raw) - 1} fields, expected {len(kind.__slots__)}")
-    return kind(*raw[1:])
+    try:
+        return _message(_KINDS[raw[0]], raw[1:])
+    except (TypeError, ValueError, IndexError) as error:  # fields missing or too many
+        raise ValueError(f"{raw[0]}: not a channel message: {error}") from None
+
+
+# ---- the socketpair ------------------------------------------------------------------------
 
 
 class ChannelReader:
@@ -204,26 +431,6 @@ class ChannelReader:
                         message.fd = self._fds.popleft() if message.fd >= 0 and self._fds else -1
                     messages.append(message)
         return messages
-
-
-def send_with_fd(sock: socket.socket, data: bytes, fd: int) -> int:
-    """Send the start of `data` with `fd` beside it (SCM_RIGHTS); the bytes sent. The
-    fd goes with the first byte, so the reader pairs it with the message those start."""
-    return socket.send_fds(sock, [data], [fd])
-
-
-def send_all_blocking(sock: socket.socket, message: Message) -> None:
-    """Worker side: write a whole message, waiting when the supervisor is behind."""
-    view = memoryview(encode(message))
-    while view:
-        try:
-            sent = sock.send(view)
-        except BlockingIOError:
-            poller = select.poll()
-            poller.register(sock.fileno(), select.POLLOUT)
-            poller.poll(1000)
-            continue
-        view = view[sent:]
 
 
 def close_other_fds(keep: set[int]) -> None:

@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 
 from kvprefetchd import faults
-from kvprefetchd.channel import ChannelReader, Done
+from kvprefetchd.channel import ChannelReader, Done, Share
 from kvprefetchd.config import build_config
 from kvprefetchd.engines import PREAD, WarmEngines
 from kvprefetchd.engines.base import MAX_BATCH_BYTES, EngineSettings, WarmItem, next_batch
 from kvprefetchd.metrics.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.roots.rootset import RootSet
 from kvprefetchd.roots.scout import Scout
-from kvprefetchd.supervisor.admit import Share
 from kvprefetchd.supervisor.books import Books, Waiter
 from kvprefetchd.supervisor.pool import WorkerHandle, WorkerPool
 from kvprefetchd.supervisor.stuck import Stuck
-from kvprefetchd.worker.loop import Worker, WorkerPlan
+from kvprefetchd.worker.loop import Worker
+from kvprefetchd.worker.plan import WorkerPlan
 
 MIB = 1 << 20
 TIMEOUT = 5.0
@@ -99,8 +99,8 @@ def test_a_silent_worker_that_owes_outcomes_is_killed_failed_and_replaced(
     assert patched.kills == [(90_000, signal.SIGKILL)]
     assert patched.spawned == [0]
     assert (pool.killed_wedged, pool.restarts) == (1, 1)
-    # The pool answers no one: it hands the settled waiter to the supervisor's loop.
-    assert pool.take_settled() == [waiter] and waiter.outcome_map()["failed"] == 3
+    # The pool answers no one: it hands the complete waiter to the supervisor's loop.
+    assert pool.take_complete() == [waiter] and waiter.outcome_map()["failed"] == 3
     # Its exit is not waited for: it is tracked until reaped (it may be stuck in the kernel).
     assert [child["pid"] for child in patched.stuck.report()] == [90_000]
     assert not waiter.answered
@@ -122,7 +122,7 @@ def test_a_report_restarts_the_clock(patched: Patched) -> None:
     pool, now = patched.pool, time.monotonic()
     patched.issue(0, None, 1)
     patched.handle(0).heard = now - 2 * TIMEOUT
-    report = Done(anonymous={"read": 1}, latency_counts=Histogram(FILE_BUCKETS).counts)
+    report = Done(unfollowed={"read": 1}, latency_counts=Histogram(FILE_BUCKETS).counts)
     pool.on_messages(patched.handle(0), [report])
     patched.issue(0, None, 1)
     pool.murder_workers(time.monotonic())

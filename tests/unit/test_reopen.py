@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvprefetchd.channel import Verdict
 from kvprefetchd.worker.reopen import RECHECK_SECONDS, STRIKES, Verdicts
 
 
@@ -16,7 +17,7 @@ def test_a_root_is_dropped_after_strikes_in_a_row_and_kept_at_the_first_warm_loo
     assert not verdicts.dropped(0)
     verdicts.looked(0, False)
     assert verdicts.dropped(0)
-    assert verdicts.take_changed() == [[0, "kept"], [0, "dropped"]]
+    assert verdicts.take_changed() == [Verdict(0, "kept"), Verdict(0, "dropped")]
     assert not verdicts.wants_look(0)
     now[0] += RECHECK_SECONDS
     assert verdicts.wants_look(0)  # looked at anew: a remount may have changed it

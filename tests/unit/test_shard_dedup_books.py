@@ -9,9 +9,10 @@ from array import array
 from collections import Counter
 from typing import Any
 
+from kvprefetchd.channel import UNFOLLOWED, Bulk, Settled, Share, ticket_of
 from kvprefetchd.roots.confine import Roots
-from kvprefetchd.supervisor.admit import Share, admit, shard_of
-from kvprefetchd.supervisor.books import Books, Waiter, ticket_of
+from kvprefetchd.supervisor.admit import admit, shard_of
+from kvprefetchd.supervisor.books import Books, Waiter
 from kvprefetchd.worker.dedup import InFlight, RecentlyWarmed
 
 
@@ -58,8 +59,8 @@ def test_in_flight_collects_tickets_per_depth() -> None:
     assert not flight.join((0, b"a"), 4096, 2)
     assert flight.join((0, b"a"), 8192, 3)  # deeper: its own read
     assert sorted(flight.tickets()) == [1, 2, 3]
-    assert flight.settle((0, b"a"), 4096) == [1, 2]
-    assert flight.settle((0, b"a"), 8192) == [3]
+    assert flight.finish((0, b"a"), 4096) == [1, 2]
+    assert flight.finish((0, b"a"), 8192) == [3]
     assert len(flight) == 0
 
 
@@ -97,6 +98,20 @@ def balanced(request: Waiter) -> bool:
     return request.accepted == sum(request.outcome_map().values())
 
 
+def settle(books: Books, worker: int, ticket: int, outcome: str, nbytes: int = 0,
+           error: int = 0) -> Waiter | None:
+    """One file's outcome as a worker reports it; the waiter it completed, if any."""
+    settled, complete = Settled(), []
+    settled.add(ticket, outcome, nbytes, error)
+    books.settle(worker, settled, complete)
+    assert len(complete) <= 1
+    return complete[0] if complete else None
+
+
+def bulk(share_id: int, outcome: str, indexes: list[int], nbytes: int = 0) -> Bulk:
+    return Bulk(share_id, outcome, len(indexes), nbytes, array("I", indexes))
+
+
 def test_books_complete_a_waiter_once_its_last_file_settles() -> None:
     books = Books(workers=2)
     request = waiter()
@@ -104,8 +119,8 @@ def test_books_complete_a_waiter_once_its_last_file_settles() -> None:
     second = books.issue(1, request, entries(2))
     assert first and second and first != second  # each share booked under its own id
     books.count_refused(request, dropped=["/kv/x", "/kv/y"], rejected=[])
-    assert books.settle(0, [ticket_of(first, 0), "read", 4096]) is None
-    assert books.settle_bulk(1, second, "resident", 2, 0, bytes(8)) is request
+    assert settle(books, 0, ticket_of(first, 0), "read", 4096) is None
+    assert books.settle_bulk(1, bulk(second, "resident", [0, 1])) is request
     assert request.outcome_map()["read"] == 1 and request.dropped == 2
     assert balanced(request) and books.bytes_read == 4096
     assert request.failures == [("/kv/x", "dropped", "dropped_queue_full"),
@@ -116,11 +131,14 @@ def test_books_name_why_each_waited_file_failed_up_to_the_limit() -> None:
     books = Books(workers=1)
     request = waiter()
     request.max_failures = 2
-    share = books.issue(0, request, entries(4))
-    books.settle(0, [ticket_of(share, 0), "missing", 0, 2])
-    books.settle(0, [ticket_of(share, 1), "rejected", 0, 18])
-    books.settle(0, [ticket_of(share, 2), "expired", 0, 0])
-    assert books.settle(0, [ticket_of(share, 3), "read", 4096]) is request
+    share_id = books.issue(0, request, entries(4))
+    settled, complete = Settled(), []
+    settled.add_run(share_id, [0], "missing", 2)
+    settled.add(ticket_of(share_id, 1), "rejected", 0, 18)
+    settled.add(ticket_of(share_id, 2), "expired")
+    settled.add(ticket_of(share_id, 3), "read", 4096)
+    books.settle(0, settled, complete)
+    assert complete == [request]
     assert request.failures == [((0, b"0.bin"), "missing", "ENOENT"),
                                 ((0, b"1.bin"), "rejected", "symlink_escape")]
     assert request.failures_truncated == 1 and balanced(request)
@@ -132,36 +150,36 @@ def test_books_fail_a_dead_workers_files() -> None:
     request = waiter()
     mine = books.issue(0, request, entries(5))
     other = books.issue(1, request, entries(1))
-    books.settle(1, [ticket_of(other, 0), "read", 1])
-    books.settle_bulk(0, mine, "resident", 2, 0, array("I", [1, 3]).tobytes())
-    books.settle(0, [ticket_of(mine, 4), "missing", 0, 2])
+    settle(books, 1, ticket_of(other, 0), "read", 1)
+    books.settle_bulk(0, bulk(mine, "resident", [1, 3]))
+    settle(books, 0, ticket_of(mine, 4), "missing", 0, 2)
     assert books.fail_worker(0) == [request]
     assert request.outcome_map()["failed"] == 2 and balanced(request)
     # The files still out are named: not the ones settled in bulk or one by one.
     assert sorted(f[0] for f in request.failures if f[2] == "worker_lost") == [
         (0, b"0.bin"), (0, b"2.bin")]
     assert books.outstanding(0) == 0
-    assert books.settle(0, [ticket_of(mine, 0), "read", 1]) is None  # a late answer: nothing
+    assert settle(books, 0, ticket_of(mine, 0), "read", 1) is None  # a late answer: nothing
 
 
 def test_books_expire_keeps_totals_honest() -> None:
     books = Books(workers=1)
     request = waiter()
-    share = books.issue(0, request, entries(2))
-    books.settle(0, [ticket_of(share, 0), "read", 10])
+    share_id = books.issue(0, request, entries(2))
+    settle(books, 0, ticket_of(share_id, 0), "read", 10)
     books.expire(request)
     request.answered = True
     assert request.outcome_map()["expired"] == 1 and balanced(request)
-    books.settle_bulk(0, share, "read", 1, 10, array("I", [1]).tobytes())
+    books.settle_bulk(0, bulk(share_id, "read", [1], 10))
     assert books.totals["read"] == 2 and books.outstanding(0) == 0
     assert books.waiters() == []
 
 
-def test_fire_and_forget_files_are_counted_without_tickets() -> None:
+def test_unfollowed_files_are_counted_without_tickets() -> None:
     books = Books(workers=2)
-    assert books.issue(1, None, entries(5)) == 0
+    assert books.issue(1, None, entries(5)) == UNFOLLOWED
     assert books.outstanding(1) == 5 and books.outstanding(0) == 0
-    books.settle_anonymous(1, {"read": 2, "missing": 1}, 8192)
+    books.settle_unfollowed(1, {"read": 2, "missing": 1}, 8192)
     assert books.outstanding(1) == 2
     assert (books.totals["read"], books.totals["missing"], books.bytes_read) == (2, 1, 8192)
     books.fail_worker(1)

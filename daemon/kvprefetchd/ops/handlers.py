@@ -29,23 +29,26 @@ from kvprefetchd.protocol import (
     CHECK_STATES,
     FORBIDDEN,
     INTERNAL,
+    OPS,
     OVERLOADED,
     PROTOCOL_VERSION,
     TOO_LARGE,
     Limits,
     Request,
     RequestError,
-    WarmOptions,
     decode_payload,
     error_reply,
     ok_reply,
-    parse_inspect_options,
-    parse_paths,
     parse_request,
-    parse_warm_options,
     request_id_of,
 )
 from kvprefetchd.reasons import refusals
+from kvprefetchd.request_fields import (
+    WarmOptions,
+    parse_inspect_options,
+    parse_paths,
+    parse_warm_options,
+)
 from kvprefetchd.roots.confine import Roots
 from kvprefetchd.supervisor.admit import Admission, Admitter
 from kvprefetchd.supervisor.books import Books, Inspection, ReplySink, Waiter
@@ -81,8 +84,8 @@ class Ops:
         self.books = books
         self.pool = pool
         self.kv = kv
-        self.stats = stats
-        self.doctor = doctor
+        self.build_stats = stats
+        self.diagnose = doctor
         self.draining = False
         self.requests: Counter[str] = Counter()  # "op:ok", "op:error_CODE"
         self.ack_latency = Histograms(ACK_BUCKETS)
@@ -93,16 +96,9 @@ class Ops:
         self._deadlines: list[tuple[float, int, Waiter]] = []
         self._answered_early = 0
         self._sequence = itertools.count()
-        self.handlers: dict[str, Handler] = {
-            "ping": self.ping,
-            "stats": self.stats_op,
-            "doctor": self.doctor_op,
-            "prefetch": self.prefetch,
-            "prefetch_blocks": self.prefetch_blocks,
-            "resolve": self.resolve,
-            "check": self.check,
-            "evict": self.evict,
-        }
+        # One handler per op of protocol.OPS, the method of the op's own name: the op list
+        # is written once, and an op without a method stops the daemon at its start.
+        self.handlers: dict[str, Handler] = {op: getattr(self, op) for op in OPS}
         self.noatime_flag = int(load_native().lib.KVP_ITEM_NOATIME)
 
     def apply(self, config: Config) -> None:
@@ -170,11 +166,11 @@ class Ops:
             workers=len(self.pool.workers),
         ))
 
-    def stats_op(self, connection: ReplySink, request: Request) -> None:
-        connection.send(ok_reply(request.request_id, stats=self.stats()))
+    def stats(self, connection: ReplySink, request: Request) -> None:
+        connection.send(ok_reply(request.request_id, stats=self.build_stats()))
 
-    def doctor_op(self, connection: ReplySink, request: Request) -> None:
-        connection.send(ok_reply(request.request_id, **self.doctor()))
+    def doctor(self, connection: ReplySink, request: Request) -> None:
+        connection.send(ok_reply(request.request_id, **self.diagnose()))
 
     def prefetch(self, connection: ReplySink, request: Request) -> None:
         options = self.warm_options(request)
@@ -229,7 +225,7 @@ class Ops:
         admission = self.admitter.admit(paths, self.pool.room())
         self.books.count_refused(waiter, dropped=admission.dropped_paths,
                                  rejected=admission.refused)
-        self.pool.dispatch(admission.shares, waiter, options.read_bytes, mode)
+        self.pool.inspect(admission.shares, waiter, options.read_bytes, mode)
         self.follow_up(waiter)
 
     def warm_options(self, request: Request) -> WarmOptions:

@@ -6,9 +6,9 @@ worker's queue if it has room. A full queue drops the file rather than making an
 wait. Nothing here touches a file system, a socket or the books: the caller books what
 was admitted.
 
-Each worker's part leaves as a `Share`: two buffers (root indexes, NUL-ended names),
-which is what its channel message carries, so no Python object is made per path on the
-way. The `Admitter` does a request of plain str paths in one native call
+Each worker's part leaves as a `Share` (channel.py: two buffers, root indexes and
+NUL-ended names), which is what its channel message carries, so no Python object is made
+per path on the way. The `Admitter` does a request of plain str paths in one native call
 (native/admit.c); any other request (bin paths, non-path values, a NUL inside a name)
 goes through `admit`, the Python gate, which is the reference the native one is tested
 against.
@@ -16,10 +16,10 @@ against.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvprefetchd.channel import Share
 from kvprefetchd.native import load_native
 from kvprefetchd.roots.confine import Roots
 
@@ -31,36 +31,6 @@ def shard_of(root_index: int, relative: bytes, workers: int) -> int:
     and restarts, unlike Python's salted hash(), so each worker's memory of recent reads
     sees every request for its files."""
     return int(_shard(root_index, relative, len(relative), workers))
-
-
-def root_indexes(buffer: bytes) -> array[int]:
-    """A share's root indexes (uint16, native order), decoded."""
-    indexes = array("H")
-    indexes.frombytes(buffer)
-    return indexes
-
-
-@dataclass(slots=True, frozen=True)
-class Share:
-    """A worker's part of a request: per file its root index (uint16, native order) and
-    its relative name, each name ended by NUL."""
-
-    roots: bytes
-    paths: bytes
-
-    @property
-    def count(self) -> int:
-        return len(self.roots) // 2
-
-    def names(self) -> list[bytes]:
-        return self.paths.split(b"\0")[:-1]
-
-    def root_indexes(self) -> array[int]:
-        return root_indexes(self.roots)
-
-    @classmethod
-    def of(cls, roots: list[int], names: list[bytes]) -> Share:
-        return cls(array("H", roots).tobytes(), b"".join(name + b"\0" for name in names))
 
 
 @dataclass(slots=True)
@@ -156,7 +126,7 @@ class Admitter:
         for worker in range(len(room)):
             count = lib.kvp_admission_share(self._admission, worker, self._paths,
                                             self._paths_len, self._share_roots)
-            shares.append(Share(ffi.buffer(self._share_roots[0], 2 * count)[:],
+            shares.append(Share(ffi.buffer(self._share_roots[0], Share.roots_size(count))[:],
                                 ffi.buffer(self._paths[0], self._paths_len[0])[:])
                           if count else None)
         admission = Admission(shares, accepted, room=room_left(list(left)))

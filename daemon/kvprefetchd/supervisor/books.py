@@ -3,10 +3,11 @@
 Pure bookkeeping, no sockets: each worker's share of a followed request (a Waiter) is
 booked once, with its worker (so a dead worker's files can be failed) and its waiter (so
 the reply can be sent once the last outcome is in, or the deadline passes). A file is
-named by its ticket (the share's id and its index in it), which a worker reports it
-with when it was not warmed; warmed files come back as counts per share, so a request's
-books cost nothing per warm file. Fire-and-forget files need no share: a worker reports
-their outcomes as counts.
+named by its ticket (channel.ticket_of: the share's id and its index in it), which a
+worker reports it with when it was not warmed (channel.Settled, channel.Looked); warmed
+files come back as counts per share (channel.Bulk), so a request's books cost nothing
+per warm file. Unfollowed files (a fire-and-forget request's) need no share: a worker
+reports their outcomes as counts. To settle a file is to book its one outcome.
 Invariant, checked by tests: accepted = read + resident + missing + rejected + failed +
 expired, per request and in total.
 """
@@ -19,9 +20,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvprefetchd.protocol import OUTCOMES
+from kvprefetchd.channel import (
+    UNFOLLOWED,
+    Bulk,
+    Done,
+    Looked,
+    Settled,
+    Share,
+    index_of,
+    share_id_of,
+)
+from kvprefetchd.protocol import DEFAULT_MAX_FAILURES, OUTCOMES
 from kvprefetchd.reasons import reason_of, refusals
-from kvprefetchd.supervisor.admit import Share
 
 if TYPE_CHECKING:
     from kvprefetchd.kv import Profile
@@ -63,7 +73,7 @@ class Waiter:
     # reason), where is the caller's path as str or bytes (refused by the supervisor)
     # or a tuple (root_index, relative) (settled by a worker). At most max_failures;
     # the rest are counted.
-    max_failures: int = 100  # protocol.DEFAULT_MAX_FAILURES
+    max_failures: int = DEFAULT_MAX_FAILURES
     failures: list[tuple[Any, str, str]] = field(default_factory=list)
     failures_truncated: int = 0
     inspection: Inspection | None = None  # a check or evict request's figures
@@ -99,16 +109,6 @@ class Inspection:
             self.results.append([where, state, size, cached, tier, reason])
 
 
-# A ticket names one file of a followed request: its share's id in the high bits, its
-# index in that share in the low ones. max_paths_per_request (at most 10^7) fits.
-TICKET_INDEX_BITS = 24
-TICKET_INDEX_MASK = (1 << TICKET_INDEX_BITS) - 1
-
-
-def ticket_of(share_id: int, index: int) -> int:
-    return share_id << TICKET_INDEX_BITS | index
-
-
 @dataclass(slots=True, eq=False)
 class Booked:
     """A followed request's share as one worker got it: its files are named by index
@@ -118,9 +118,9 @@ class Booked:
     share: Share
     outstanding: int
     # What was settled, for a worker that dies with the rest: tickets' indexes one by
-    # one, and the bulk reports' index arrays (uint32) as they came.
+    # one, and the bulk reports' index arrays as they came.
     settled_one: set[int] = field(default_factory=set)
-    settled_bulk: list[bytes] = field(default_factory=list)
+    settled_bulk: list[array[int]] = field(default_factory=list)
     _names: list[bytes] | None = None
     _roots: array[int] | None = None
 
@@ -135,7 +135,7 @@ class Booked:
     def unsettled(self) -> list[int]:
         done = set(self.settled_one)
         for indexes in self.settled_bulk:
-            done.update(array("I", indexes))
+            done.update(indexes)
         return [index for index in range(self.share.count) if index not in done]
 
 
@@ -145,15 +145,15 @@ class Books:
         # Per worker, share id -> its booked share, and the files still out in them.
         self.open: list[dict[int, Booked]] = [{} for _ in range(workers)]
         self.open_files: list[int] = [0] * workers
-        # Fire-and-forget files need no ticket of their own: the worker reports their
+        # Unfollowed files need no ticket of their own: the worker reports their
         # outcomes as counts, and the books keep one number per worker. This halves
         # the supervisor's cost per file on the router's hot path.
-        self.anonymous: list[int] = [0] * workers
+        self.unfollowed: list[int] = [0] * workers
         self.totals: Counter[str] = Counter()
         self.bytes_read = 0
 
     def outstanding(self, worker: int) -> int:
-        return self.open_files[worker] + self.anonymous[worker]
+        return self.open_files[worker] + self.unfollowed[worker]
 
     def in_flight(self) -> int:
         return sum(self.outstanding(worker) for worker in range(len(self.open)))
@@ -164,13 +164,13 @@ class Books:
         return list(seen.values())
 
     def issue(self, worker: int, waiter: Waiter | None, share: Share) -> int:
-        """Book a worker's share of a request; its share id (0: fire and forget, whose
-        files the worker reports as counts). A check or evict is no warm-up: its files
-        are not in the totals."""
+        """Book a worker's share of a request; its share id (UNFOLLOWED when nobody
+        follows it: the worker reports its files as counts). A check or evict is no
+        warm-up: its files are not in the totals."""
         if waiter is None:
             self.totals["accepted"] += share.count
-            self.anonymous[worker] += share.count
-            return 0
+            self.unfollowed[worker] += share.count
+            return UNFOLLOWED
         if waiter.inspection is None:
             self.totals["accepted"] += share.count
         share_id = next(self._share_ids)
@@ -180,13 +180,13 @@ class Books:
         waiter.outstanding += share.count
         return share_id
 
-    def settle_anonymous(self, worker: int, outcomes: dict[str, int], nbytes: int) -> None:
-        """Outcomes of fire-and-forget files, counted by the worker."""
+    def settle_unfollowed(self, worker: int, outcomes: dict[str, int], nbytes: int) -> None:
+        """Outcomes of unfollowed files, counted by the worker."""
         settled = 0
         for outcome, n in outcomes.items():
             self.totals[outcome] += n
             settled += n
-        self.anonymous[worker] = max(0, self.anonymous[worker] - settled)
+        self.unfollowed[worker] = max(0, self.unfollowed[worker] - settled)
         self.bytes_read += nbytes
 
     def count_refused(self, waiter: Waiter | None, *, dropped: list[object],
@@ -216,62 +216,89 @@ class Books:
             del self.open[worker][share_id]
         return booked
 
-    def settle_bulk(self, worker: int, share_id: int, outcome: str, count: int, nbytes: int,
-                    indexes: bytes) -> Waiter | None:
-        """`count` files of one share settled `read` or `resident` at once (their indexes
-        as uint32, native order); the waiter if they were its last."""
-        booked = self._take(worker, share_id, count)
+    def settle_report(self, worker: int, report: Done, complete: list[Waiter]) -> None:
+        """Every file a worker's report settles; a waiter whose last file was among them
+        goes in `complete`."""
+        if report.settled:
+            self.settle(worker, report.settled, complete)
+        if report.looked:
+            self.settle_looked(worker, report.looked, complete)
+        for bulk in report.bulk:
+            waiter = self.settle_bulk(worker, bulk)
+            if waiter is not None:
+                complete.append(waiter)
+        self.settle_unfollowed(worker, report.unfollowed, report.unfollowed_bytes)
+
+    def settle_bulk(self, worker: int, bulk: Bulk) -> Waiter | None:
+        """Files of one share settled `read` or `resident` at once; the waiter if they
+        were its last."""
+        count, outcome = bulk.count, bulk.outcome
+        booked = self._take(worker, bulk.share_id, count)
         if booked is None:
             return None
-        booked.settled_bulk.append(indexes)
+        booked.settled_bulk.append(bulk.indexes)
         waiter = booked.waiter
         self.totals[outcome] += count
-        self.bytes_read += nbytes
+        self.bytes_read += bulk.nbytes
         if waiter.answered:
             return None
         waiter.outcomes[outcome] += count
         waiter.outstanding -= count
         return waiter if waiter.outstanding == 0 else None
 
-    def settle(self, worker: int, record: list[Any]) -> Waiter | None:
-        """Record one outcome, [ticket, outcome, bytes] or, for a file not warmed,
-        [ticket, outcome, bytes, errno] (a check or evict: [ticket, state, 0, errno,
-        size, cached, tier]); returns the waiter if this was its last outstanding file."""
-        ticket = record[0]
-        index = ticket & TICKET_INDEX_MASK
-        booked = self._take(worker, ticket >> TICKET_INDEX_BITS, 1)
+    def settle(self, worker: int, settled: Settled, complete: list[Waiter]) -> None:
+        """Followed files not warmed, each with its outcome and errno; a waiter whose
+        last file this was goes in `complete`."""
+        for ticket, outcome, nbytes, error in zip(settled.tickets, settled.outcomes,
+                                                  settled.nbytes, settled.errnos, strict=True):
+            waiter = self._settle_one(worker, share_id_of(ticket), index_of(ticket), outcome,
+                                      nbytes, error)
+            if waiter is not None:
+                complete.append(waiter)
+
+    def settle_looked(self, worker: int, looked: Looked, complete: list[Waiter]) -> None:
+        """Files a check or an evict looked at, each in its state with its figures."""
+        for ticket, state, error, size, cached, tier in zip(
+                looked.tickets, looked.states, looked.errnos, looked.sizes, looked.cached,
+                looked.tiers, strict=True):
+            waiter = self._settle_one(worker, share_id_of(ticket), index_of(ticket), state, 0,
+                                      error, size, cached, tier)
+            if waiter is not None:
+                complete.append(waiter)
+
+    def _settle_one(self, worker: int, share_id: int, index: int, outcome: str, nbytes: int,
+                    error: int, size: int = 0, cached: int = 0, tier: int = 0) -> Waiter | None:
+        """Book one file's outcome (a check or evict's: its state and figures); the waiter
+        if this was its last outstanding file."""
+        booked = self._take(worker, share_id, 1)
         if booked is None:
             return None
         booked.settled_one.add(index)
         waiter = booked.waiter
-        outcome = record[1]
         inspection = waiter.inspection
         if inspection is None:
             self.totals[outcome] += 1
-            self.bytes_read += record[2]
+            self.bytes_read += nbytes
         if waiter.answered:
             return None
         if inspection is not None:
-            err = record[3] if len(record) > 3 else 0
-            size, cached, tier = record[4:7] if len(record) > 6 else (0, 0, 0)
             inspection.add(booked.where(index), outcome, size, cached, tier,
-                           reason_of(outcome, err) if err or outcome == "failed" else "")
+                           reason_of(outcome, error) if error or outcome == "failed" else "")
         else:
             waiter.outcomes[outcome] += 1
             if outcome != "read" and outcome != "resident":
-                waiter.fail(booked.where(index), outcome,
-                            reason_of(outcome, record[3] if len(record) > 3 else 0))
+                waiter.fail(booked.where(index), outcome, reason_of(outcome, error))
         waiter.outstanding -= 1
         return waiter if waiter.outstanding == 0 else None
 
     def fail_worker(self, worker: int) -> list[Waiter]:
         """A worker died: its files are `failed`, never forgotten. Returns waiters now complete."""
-        self.totals["failed"] += self.anonymous[worker]
-        self.anonymous[worker] = 0
+        self.totals["failed"] += self.unfollowed[worker]
+        self.unfollowed[worker] = 0
         done = []
         for share_id, booked in list(self.open[worker].items()):
             for index in booked.unsettled():
-                waiter = self.settle(worker, [ticket_of(share_id, index), "failed", 0])
+                waiter = self._settle_one(worker, share_id, index, "failed", 0, 0)
                 if waiter is not None:
                     done.append(waiter)
         self.open[worker].clear()

@@ -280,9 +280,9 @@ class Supervisor:
     def run_once(self, timeout: float | None) -> None:
         for key, events in self.selector.select(timeout):
             key.data(events)
-        # Outcomes settled by the workers' reports (or their deaths) are answered here,
+        # Waiters whose last file a worker's report (or death) settled are answered here,
         # after the events: the pool never answers a client itself.
-        for waiter in self.pool.take_settled():
+        for waiter in self.pool.take_complete():
             self.ops.answer(waiter)
         now = time.monotonic()
         self.ops.expire(now)

@@ -1,10 +1,10 @@
 """The workers: spawn, hand work to, listen to, reap, respawn and kill the wedged.
 
-Each worker is a forked child with a socketpair to the supervisor (channel.py). The
-pool books every file it hands out (books.py) so a dead worker's files are failed,
-never forgotten, and it collects the waiters whose last file was settled in
-`settled`; the supervisor's loop takes them and has the ops answer them, so the pool
-never answers a client itself.
+Each worker is a forked child with a socketpair to the supervisor (channel.py; its end
+here: handle.py), told what it needs before the fork (plans.py). The pool books every
+file it hands out (books.py) so a dead worker's files are failed, never forgotten, and
+it collects the waiters whose last file was settled in `complete`; the supervisor's loop
+takes them and has the ops answer them, so the pool never answers a client itself.
 """
 
 from __future__ import annotations
@@ -19,33 +19,33 @@ import signal
 import socket
 import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections import Counter
 
 from kvprefetchd.channel import (
+    CHECK,
+    EVICT_FILE,
     BootFailed,
     ChannelReader,
+    Check,
     Done,
+    Evict,
     Message,
     Ready,
     Root,
+    Share,
     Warm,
-    encode,
-    send_with_fd,
 )
 from kvprefetchd.config import Config
-from kvprefetchd.engines import EngineSpec, NoEngine, engine_candidates
-from kvprefetchd.engines.base import EngineSettings
 from kvprefetchd.metrics.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.roots.rootset import RootSet, RootState
-from kvprefetchd.supervisor.admit import Share
 from kvprefetchd.supervisor.books import Books, Waiter
+from kvprefetchd.supervisor.halting import halt_workers
+from kvprefetchd.supervisor.handle import WorkerHandle
+from kvprefetchd.supervisor.plans import engines_by_mode, worker_plan
 from kvprefetchd.supervisor.stuck import Stuck
-from kvprefetchd.worker.holds import HoldBudget
-from kvprefetchd.worker.loop import WorkerPlan
 from kvprefetchd.worker.process import EXIT_BOOT_FAILED, worker_main
+
+__all__ = ["HaltError", "WorkerHandle", "WorkerPool"]
 
 log = logging.getLogger("kvprefetchd")
 
@@ -66,65 +66,6 @@ class HaltError(RuntimeError):
     """The daemon cannot go on (a worker cannot boot); the message is for the operator."""
 
 
-@dataclass
-class WorkerHandle:
-    index: int
-    pid: int
-    sock: socket.socket
-    reader: ChannelReader
-    output: bytearray = field(default_factory=bytearray)
-    ready: bool = False
-    engine: str = ""
-    started: float = field(default_factory=time.monotonic)
-    restarts: int = 0
-    counters: Counter[str] = field(default_factory=Counter)
-    # The heartbeat: when the worker last sent anything (every batch ends in a Done),
-    # or was handed work while it owed nothing. A worker that owes outcomes and has
-    # been silent for worker_timeout since then is wedged (murder_workers).
-    heard: float = field(default_factory=time.monotonic)
-    handler: Callable[[int], None] | None = None  # its selector callback
-    # Root messages, each with an fd beside it (our own copy, closed once sent; -1 for
-    # none), behind `output`.
-    with_fds: deque[tuple[bytes, int]] = field(default_factory=deque)
-    queue: dict[str, Any] = field(default_factory=dict)  # its queue engines, as last said
-    watched: int = selectors.EVENT_READ  # the selector events registered for it now
-
-
-def engines_by_mode(config: Config) -> dict[str, tuple[EngineSpec, ...]]:
-    """The engines to try for each warm mode the workers may be asked for: the configured
-    one (NoEngine if none can run), and the other one when a model profile chooses it."""
-    choices = {config.warm_mode: engine_candidates(config.engine, config.warm_mode)}
-    other = "advise" if config.warm_mode == "read" else "read"
-    if other in config.model_warm_modes.values():
-        try:
-            choices[other] = engine_candidates(config.engine, other)
-        except NoEngine as error:
-            log.warning("%s mode for model profiles unavailable: %s", other, error)
-    return choices
-
-
-def drop_fds(handle: WorkerHandle) -> None:
-    """Close the fd copies still waiting to go to a worker that is gone or going."""
-    while handle.with_fds:
-        fd = handle.with_fds.popleft()[1]
-        if fd >= 0:
-            os.close(fd)
-
-
-def _reaped_by(pid: int, deadline: float) -> bool:
-    """Wait for a child to exit until deadline (monotonic); True once it is gone."""
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return True
-        if done:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-
-
 class WorkerPool:
     def __init__(
         self, config: Config, roots: RootSet, books: Books,
@@ -137,7 +78,7 @@ class WorkerPool:
         self.selector = selector
         self.engines = engines_by_mode(config)
         self.workers: list[WorkerHandle | None] = [None] * config.worker_count
-        self.settled: list[Waiter] = []  # answered by the supervisor's loop (take_settled)
+        self.complete: list[Waiter] = []  # answered by the supervisor's loop (take_complete)
         self.file_latency = Histogram(FILE_BUCKETS)
         self.restarts = 0
         self.killed_wedged = 0
@@ -157,41 +98,8 @@ class WorkerPool:
 
     # ---- spawning ----------------------------------------------------------------------------
 
-    def plan(self, index: int) -> WorkerPlan:
-        config = self.config
-        return WorkerPlan(
-            index=index,
-            roots=config.roots,
-            root_fds=self.roots.fds(),
-            rules=self.roots.codes(),
-            tiers=self.roots.tiers(),
-            holds=HoldBudget(
-                max_files=-(-config.hold_max_files // config.worker_count),
-                max_bytes=config.hold_max_bytes // config.worker_count,
-                seconds=config.hold_seconds,
-            ),
-            engines=self.engines,
-            engine_settings=EngineSettings(
-                chunk_bytes=config.chunk_bytes,
-                queue_depth=config.queue_depth,
-                pread_threads=config.pread_threads,
-                fadv_random=config.fadv_random,
-                batch_files=config.batch_files,
-                max_open_files=config.max_open_files,
-                initial_depth=config.initial_depth,
-                max_in_flight=config.max_in_flight,
-                file_timeout=config.file_timeout,
-                other_mount_threads=config.other_mount_threads,
-            ),
-            dedup_ttl=config.dedup_ttl_ms / 1000.0,
-            dedup_entries=config.dedup_entries,
-            dedup_bytes=config.dedup_bytes,
-            nice=config.worker_nice,
-            batch=config.worker_batch,
-        )
-
     def spawn(self, index: int) -> None:
-        plan = self.plan(index)
+        plan = worker_plan(self.config, self.roots, self.engines, index)
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             for end in (parent_sock, child_sock):
@@ -270,23 +178,39 @@ class WorkerPool:
         self, shares: list[Share | None], waiter: Waiter | None, read_bytes: int,
         warm_mode: str, deadline: float = 0.0, flags: int = 0, client: int = 0,
     ) -> None:
-        """Book each worker's share of a request and send it; `client` is who sent it
+        """Book each worker's share of a warm-up and send it; `client` is who sent it
         (Connection.client)."""
+        for index, share_id, share in self.book(shares, waiter):
+            self.send(index, Warm(share, share_id, read_bytes, warm_mode, deadline, flags,
+                                  client))
+
+    def inspect(self, shares: list[Share | None], waiter: Waiter, read_bytes: int,
+                verb: str) -> None:
+        """Book each worker's share of a check or an evict (`verb`: channel.CHECK,
+        EVICT_HEAD or EVICT_FILE) and send it."""
+        for index, share_id, share in self.book(shares, waiter):
+            self.send(index, Check(share, share_id, read_bytes) if verb == CHECK
+                      else Evict(share, share_id, read_bytes, whole=verb == EVICT_FILE))
+
+    def book(self, shares: list[Share | None],
+             waiter: Waiter | None) -> list[tuple[int, int, Share]]:
+        """Book the shares of the workers there are: (worker, share id, share) each."""
         self.roots.wanted(shares)  # a root named there that is not open: looked at now
         now = time.monotonic()
+        booked = []
         for index, share in enumerate(shares):
             handle = self.workers[index]
             if share is None or handle is None:
                 continue
             if self.books.outstanding(index) == 0:
                 handle.heard = now  # its silence counts from now, not from its last report
-            share_id = self.books.issue(index, waiter, share)
-            self.send(handle, Warm(read_bytes, warm_mode, share_id, share.roots, share.paths,
-                                   deadline, flags, client))
+            booked.append((index, self.books.issue(index, waiter, share), share))
+        return booked
 
-    def send(self, handle: WorkerHandle, message: Message) -> None:
-        handle.output += encode(message)
-        self.flush(handle)
+    def send(self, index: int, message: Message) -> None:
+        handle = self.workers[index]
+        if handle is not None:
+            handle.send(message, self.selector)
 
     def add_root(self, state: RootState) -> None:
         """A root opened, reopened or let go after the workers started: each hears of it in
@@ -307,45 +231,14 @@ class WorkerPool:
                 self.roots_owed.add(state.index)
                 self.roots_due = time.monotonic() + RESPAWN_RETRY
                 continue
-            handle.with_fds.append((encode(Root(state.index, state.code, state.tier.keep,
-                                                   state.tier.whole, state.tier.fs_cache,
-                                                   state.tier.hold, state.tier.depth, copy)), copy))
-            self.flush(handle)
-
-    def flush(self, handle: WorkerHandle) -> None:
-        while handle.output or handle.with_fds:
-            try:
-                if handle.output:
-                    sent = handle.sock.send(handle.output)
-                    del handle.output[:sent]
-                    continue
-                # A message with an fd starts only once what came before it is out, so
-                # the fd goes with that message's first byte (channel.send_with_fd).
-                data, fd = handle.with_fds[0]
-                sent = send_with_fd(handle.sock, data, fd) if fd >= 0 else handle.sock.send(data)
-                handle.with_fds.popleft()
-                if fd >= 0:
-                    os.close(fd)
-                handle.output += data[sent:]
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as error:
-                if error.errno in (errno.EPIPE, errno.ECONNRESET):
-                    handle.output.clear()  # it is dying; SIGCHLD settles its books
-                    drop_fds(handle)
-                    break
-                raise
-        waiting = handle.output or handle.with_fds
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if waiting else 0)
-        if events != handle.watched:
-            handle.watched = events
-            self.selector.modify(handle.sock, events, handle.handler)
+            handle.send_with_fd(Root(state.index, state.code, state.tier, copy), copy,
+                                self.selector)
 
     # ---- listening ---------------------------------------------------------------------------
 
     def on_worker_event(self, handle: WorkerHandle, events: int) -> None:
         if events & selectors.EVENT_WRITE:
-            self.flush(handle)
+            handle.flush(self.selector)
         if events & selectors.EVENT_READ and self.workers[handle.index] is handle:
             self.on_messages(handle, handle.reader.read_available())
             if handle.reader.closed:
@@ -356,25 +249,14 @@ class WorkerPool:
             handle.heard = time.monotonic()
         for message in messages:
             if isinstance(message, Done):
-                settle, settled = self.books.settle, self.settled
-                for record in message.settled:
-                    waiter = settle(handle.index, record)
-                    if waiter is not None:
-                        settled.append(waiter)
-                for share_id, outcome, count, nbytes, indexes in message.bulk:
-                    waiter = self.books.settle_bulk(handle.index, share_id, outcome, count,
-                                                    nbytes, indexes)
-                    if waiter is not None:
-                        settled.append(waiter)
+                self.books.settle_report(handle.index, message, self.complete)
                 handle.counters.update(message.counters)
                 if message.counters:
                     self.count_events(message.counters)
                 if message.queue:
                     handle.queue = message.queue
-                for index, verdict in message.verdicts:
-                    self.roots.verdict(index, verdict)
-                self.books.settle_anonymous(handle.index, message.anonymous,
-                                            message.anonymous_bytes)
+                for verdict in message.verdicts:
+                    self.roots.verdict(verdict.root_index, verdict.verdict)
                 self.file_latency.merge(message.latency_counts, message.latency_sum)
             elif isinstance(message, Ready):
                 handle.ready = True
@@ -396,15 +278,16 @@ class WorkerPool:
                         "their owner, no CAP_FOWNER): those reads update atime; counted in "
                         "stats events.noatime_fallbacks")
 
-    def take_settled(self) -> list[Waiter]:
-        settled, self.settled = self.settled, []
-        return settled
+    def take_complete(self) -> list[Waiter]:
+        """The waiters whose last file was settled since the last call, to be answered."""
+        complete, self.complete = self.complete, []
+        return complete
 
     # ---- deaths --------------------------------------------------------------------------
 
     def closed(self, handle: WorkerHandle) -> None:
         """EOF from a worker: it is exiting. Its status when the kernel has it already;
-        else it is settled now and tracked until it can be reaped (stuck.py)."""
+        else it is dropped now and tracked until it can be reaped (stuck.py)."""
         try:
             pid, status = os.waitpid(handle.pid, os.WNOHANG)
         except ChildProcessError:
@@ -415,7 +298,7 @@ class WorkerPool:
         self.died(handle, status)
 
     def child_exited(self, pid: int, status: int) -> bool:
-        """A reaped child: True when it was a live worker (settled, and replaced)."""
+        """A reaped child: True when it was a live worker (dropped, and replaced)."""
         for handle in self.workers:
             if handle is not None and handle.pid == pid:
                 self.died(handle, status)
@@ -426,7 +309,7 @@ class WorkerPool:
         if self.workers[handle.index] is not handle:
             return
         with_code = os.waitstatus_to_exitcode(status) if status >= 0 else None
-        self.settle(handle)
+        self.drop_worker(handle)
         killed_by_signal = with_code is not None and with_code < 0
         if with_code == EXIT_BOOT_FAILED or (not handle.ready and not killed_by_signal):
             # Respawning would fail the same way, forever: stop with the reason instead.
@@ -438,15 +321,15 @@ class WorkerPool:
                     handle.index, handle.pid, with_code)
         self.respawn(handle.index)
 
-    def settle(self, handle: WorkerHandle) -> None:
+    def drop_worker(self, handle: WorkerHandle) -> None:
         """Stop listening to a worker that is gone or going; fail whatever it still owes."""
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(handle.sock)
         # Any outcomes it managed to send before dying still count.
         self.on_messages(handle, handle.reader.read_available())
         handle.sock.close()
-        drop_fds(handle)
-        self.settled.extend(self.books.fail_worker(handle.index))
+        handle.drop_fds()
+        self.complete.extend(self.books.fail_worker(handle.index))
 
     def murder_workers(self, now: float) -> None:
         """Kill every worker that owes outcomes and has been silent for worker_timeout.
@@ -486,7 +369,7 @@ class WorkerPool:
             os.kill(handle.pid, signal.SIGKILL)
         self.killed_wedged += 1
         self.stuck.add(handle.pid, "worker", f"wedged: silent {silent:.0f} s")
-        self.settle(handle)
+        self.drop_worker(handle)
         if self.stopping:
             self.workers[handle.index] = None
             return
@@ -530,28 +413,13 @@ class WorkerPool:
         return self.engines[self.config.warm_mode][0].name
 
     def halt(self, deadline: float) -> None:
-        """Stop the workers by `deadline` (monotonic) however they behave: SIGTERM, half the
-        time left, then SIGKILL; one still there after that is stuck in the kernel (D
-        state dies only when its I/O returns) and is left behind, named (stuck.py)."""
+        """Stop the workers by `deadline` (monotonic) however they behave (halting.py)."""
         self.stopping = True
         live = [w for w in self.workers if w is not None]
-        for handle in live:
-            try:
-                os.kill(handle.pid, signal.SIGTERM)
-                os.kill(handle.pid, signal.SIGCONT)  # a stopped worker acts on SIGTERM only then
-            except ProcessLookupError:
-                pass
-        halfway = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
-        stubborn = [handle for handle in live if not _reaped_by(handle.pid, halfway)]
-        for handle in stubborn:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(handle.pid, signal.SIGKILL)
-        for handle in stubborn:
-            if not _reaped_by(handle.pid, deadline):
-                self.stuck.add(handle.pid, "worker", "did not exit when the daemon stopped")
+        halt_workers([handle.pid for handle in live], deadline, self.stuck)
         for handle in live:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(handle.sock)
             handle.sock.close()
-            drop_fds(handle)
+            handle.drop_fds()
         self.workers = [None] * len(self.workers)

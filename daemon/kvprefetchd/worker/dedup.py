@@ -94,7 +94,8 @@ class InFlight:
         self._waiting[(*key, read_bytes)] = [ticket]
         return True
 
-    def settle(self, key: Key, read_bytes: int) -> list[int]:
+    def finish(self, key: Key, read_bytes: int) -> list[int]:
+        """The file is read (or found needing no read): the tickets that waited for it."""
         return self._waiting.pop((*key, read_bytes), [])
 
     def tickets(self) -> list[int]:

@@ -21,6 +21,9 @@ INSPECT_THREADS = 16
 
 @dataclass(frozen=True, slots=True)
 class Look:
+    """What a look found of one file: its state, errno, size, bytes cached, and bytes
+    in its file system's own cache (`tier`)."""
+
     state: str
     err: int
     size: int

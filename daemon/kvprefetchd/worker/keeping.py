@@ -14,14 +14,13 @@ by reopening (reopen.py). The worker asks three things of it:
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
 
 from kvprefetchd.channel import RootTier
 from kvprefetchd.engines.base import Completion, WarmItem
 from kvprefetchd.native import Native
 from kvprefetchd.roots.fscache import FsCacheView, warm_enough
 from kvprefetchd.worker.holds import HoldBudget, Holds
-from kvprefetchd.worker.inspection import Inspector
+from kvprefetchd.worker.inspection import Inspector, Look
 from kvprefetchd.worker.reopen import Verdicts
 
 
@@ -66,22 +65,22 @@ class Keeping:
         return ""
 
     def known_state(self, key: Hashable, root_index: int, relative: bytes, tier: RootTier,
-                    span: int) -> list[Any] | None:
-        """[state, bytes, errno, size, cached, tier bytes] of a file, said without an open;
-        None: look (kvp_inspect)."""
+                    span: int) -> Look | None:
+        """What a look would find of a file, said without an open; None: look
+        (kvp_inspect)."""
         held = self.holds.held(key)
         if held is not None:
-            return ["resident", 0, 0, held.size, held.size, 0]
+            return Look("resident", 0, held.size, held.size, 0)
         if tier.fs_cache:
             copy = self.fscache.cached(tier.fs_cache, relative)
             if copy is not None:
                 size, on_disk = copy
                 state = "resident" if warm_enough(size, on_disk, span) else "cold"
-                return [state, 0, 0, size, 0, on_disk]
+                return Look(state, 0, size, 0, on_disk)
         if self.verdicts.dropped(root_index):
-            return ["futile", 0, 0, 0, 0, 0]
+            return Look("futile", 0, 0, 0, 0)
         if tier.keep == "hold":  # only an open could tell, and it would be the consumer's
-            return ["cold", 0, 0, 0, 0, 0]
+            return Look("cold", 0, 0, 0, 0)
         return None
 
     def judged(self, completion: Completion, root_index: int, tier: RootTier) -> str:

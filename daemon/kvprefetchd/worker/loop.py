@@ -1,9 +1,9 @@
-"""A worker: receive files, skip what is warm or already on its way, warm the rest.
+"""A worker's loop: receive files, skip what is warm or already on its way, warm the rest.
 
 Runs in a forked child that owns its engines (one per warm mode it is asked for). Its
 loop waits on its channel and its engines' completions at once: it drains the channel,
 answers what its memory can answer, hands the engines the rest, and reports outcomes as
-they come (a Done per round: the supervisor's heartbeat of this worker).
+they come (report.py: a Done per round, the supervisor's heartbeat of this worker).
 """
 
 from __future__ import annotations
@@ -15,36 +15,32 @@ import select
 import socket
 import time
 from array import array
-from collections import Counter, deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any
 
 from kvprefetchd.channel import (
-    CHECK,
-    EVICT_FILE,
-    INSPECT_MODES,
+    UNFOLLOWED,
     ChannelReader,
-    Done,
+    Check,
+    Evict,
     Root,
     RootTier,
     Warm,
-    send_all_blocking,
+    ticket_of,
 )
-from kvprefetchd.engines import EngineSpec, WarmEngines
-from kvprefetchd.engines.base import Completion, Engine, EngineSettings, WarmItem
+from kvprefetchd.engines import WarmEngines
+from kvprefetchd.engines.base import Completion, Engine, WarmItem
 from kvprefetchd.engines.queue import QueueEngine
 from kvprefetchd.faults import BatchFaults
-from kvprefetchd.metrics.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.native import load_native
 from kvprefetchd.roots.tiers import WHOLE_FILE
-from kvprefetchd.supervisor.books import TICKET_INDEX_BITS, TICKET_INDEX_MASK, ticket_of
 from kvprefetchd.worker.dedup import InFlight, Key, RecentlyWarmed
-from kvprefetchd.worker.files import Files, Tally, roots_of
-from kvprefetchd.worker.holds import HoldBudget
+from kvprefetchd.worker.files import Files
 from kvprefetchd.worker.inspection import Inspector
 from kvprefetchd.worker.keeping import Keeping
+from kvprefetchd.worker.plan import WorkerPlan
 from kvprefetchd.worker.probe import Prober
+from kvprefetchd.worker.report import Report, queue_figures, send_all_blocking
 
 log = logging.getLogger("kvprefetchd.worker")
 
@@ -55,39 +51,7 @@ log = logging.getLogger("kvprefetchd.worker")
 TICK_SECONDS = 0.1
 HEARTBEAT_SECONDS = 1.0
 QUEUE_REPORT_SECONDS = 0.5  # the queue's state in a report, at most this often
-
-
-@dataclass(frozen=True)
-class WorkerPlan:
-    """Everything a worker needs, fixed by the supervisor before it forks."""
-
-    index: int
-    roots: tuple[str, ...]
-    # Each root's directory fd as the supervisor holds it (inherited across the fork;
-    # -1 while a root is not open yet: its fd comes later in a Root message), and its
-    # residency rule code (KVP_RES_*).
-    root_fds: tuple[int, ...]
-    rules: tuple[int, ...]
-    # Warm mode ("read", "advise") -> the engines to try, best first. The first mode is
-    # the configured one (built at boot); another is there only when a model profile
-    # chooses it and an engine of that mode can run here (built on first use).
-    engines: Mapping[str, tuple[EngineSpec, ...]]
-    engine_settings: EngineSettings
-    dedup_ttl: float
-    dedup_entries: int
-    dedup_bytes: int = 16 << 20
-    nice: int = 0
-    batch: bool = False  # SCHED_BATCH (config.worker_batch)
-    tiers: tuple[RootTier, ...] = ()  # per root, beside rules (RootTier() when not open)
-    holds: HoldBudget = field(default_factory=HoldBudget)
-
-    @property
-    def warm_mode(self) -> str:
-        return next(iter(self.engines))
-
-
 INSPECT_AT_ONCE = 1024  # files per kvp_inspect call: one cffi array, bounded
-WARM_MODES = ("read", "advise")
 
 
 class Worker:
@@ -108,11 +72,7 @@ class Worker:
         self.in_flight = InFlight()
         self.pending: dict[str, deque[WarmItem]] = {plan.warm_mode: deque()}  # per warm mode
         self.requests = 0  # Warm messages queued: each one's number is its files' group
-        self.outcomes: list[list[Any]] = []  # followed files not warmed, by ticket
-        self.tallies: dict[tuple[int, str], Tally] = {}  # followed files warmed, per share
-        self.anonymous: Counter[str] = Counter()  # outcomes of fire-and-forget files
-        self.anonymous_bytes = 0
-        self.latency = Histogram(FILE_BUCKETS)  # per file, since the last report
+        self.report = Report()  # what was settled since the last Done
         self.counters = {
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0,
             "probed_resident": 0, "probed_missing": 0, "checked": 0, "evicted": 0,
@@ -143,6 +103,8 @@ class Worker:
             for message in self.reader.read_available():
                 if isinstance(message, Warm):
                     self.accept(message)
+                elif isinstance(message, Check | Evict):
+                    self.inspect(message)
                 elif isinstance(message, Root):
                     self.take_root(message)
                 else:
@@ -158,7 +120,7 @@ class Worker:
                     self.hand_over(self.engine_for(mode), pending, mode)
             for engine in self.engines.built():
                 for completion in engine.reap():
-                    self.settle(completion)
+                    self.judge(completion)
                 if engine.outstanding:
                     engine.tick()
             if self.retired:
@@ -187,8 +149,7 @@ class Worker:
             self.recent = RecentlyWarmed(plan.dedup_ttl, plan.dedup_entries,
                                          budget_bytes=plan.dedup_bytes)
         self.root_fds[index], self.rules[index] = fd, message.rule
-        self.tiers[index] = RootTier(message.keep, message.whole, message.fs_cache,
-                                     message.hold, message.depth)
+        self.tiers[index] = message.tier
         self.depth_hinted.clear()
         self.keeping.verdicts.forget(index)
         self.prober.set_root(index, fd, message.rule)
@@ -214,10 +175,7 @@ class Worker:
         return None if due is None else int(due * 1000) + 1
 
     def accept(self, message: Warm) -> None:
-        if message.warm_mode in INSPECT_MODES:
-            self.inspect(message)
-            return
-        files = Files.of(message)
+        files = Files.of(message.files)
         if files.count == 0:
             return
         received = time.monotonic()
@@ -226,9 +184,9 @@ class Worker:
             if files.count == 0:
                 return
         if 0.0 < message.deadline < received:  # late already: no file of it is read
-            self.outcomes_of(message.share, files.indexes, "expired")
+            self.report.settle_all(message.share_id, files.indexes, "expired")
             return
-        if self.prober.useful and message.warm_mode in WARM_MODES:
+        if self.prober.useful:
             files = self.probe(message, files)
             if files.count == 0:
                 return
@@ -237,45 +195,46 @@ class Worker:
     def recall(self, message: Warm, files: Files) -> Files:
         """Answer what the memory of recent reads covers, and the files held open; the
         files neither does."""
-        share, read_bytes = message.share, message.read_bytes
+        share_id, read_bytes = message.share_id, message.read_bytes
         names, root_of = files.all_names(), files.root_of
         left: list[int] = []
-        recent, holds = self.recent, self.holds
+        recent, holds, report = self.recent, self.holds, self.report
         for index in files.indexes:
             key = (root_of[index], names[index])
             if key in holds or recent.covers(key, read_bytes):
                 self.counters["dedup_recent"] += 1
-                self.outcome(ticket_of(share, index) if share else 0, "resident", 0)
-                self.latency.observe(0.0)
+                report.settle(ticket_of(share_id, index) if share_id != UNFOLLOWED else UNFOLLOWED,
+                              "resident", 0)
+                report.latency.observe(0.0)
             else:
                 left.append(index)
         return files.subset(left)
 
     def probe(self, message: Warm, files: Files) -> Files:
         """Settle what the probe finds resident or missing; the files it leaves."""
-        share = message.share
-        roots, paths = files.buffers()
-        resident, missing, rest = self.prober.probe(roots, paths, files.count,
+        share_id, probed = message.share_id, files.as_share()
+        resident, missing, rest = self.prober.probe(probed.roots, probed.paths, probed.count,
                                                     message.read_bytes)
         if resident:
-            self.settle_resident(share, files, resident, message.read_bytes)
+            self.settle_resident(share_id, files, resident, message.read_bytes)
         if missing:
-            self.latency.observe_many(0.0, len(missing))
+            self.report.latency.observe_many(0.0, len(missing))
             self.counters["probed_missing"] += len(missing)
-            self.outcomes_of(share, [files.indexes[position] for position in missing],
-                             "missing", errno.ENOENT)
+            self.report.settle_all(share_id, [files.indexes[position] for position in missing],
+                                   "missing", errno.ENOENT)
         return files.subset([files.indexes[position] for position in rest])
 
-    def settle_resident(self, share: int, files: Files, found: bytes, read_bytes: int) -> None:
-        """Files the probe found warm: one tally per share, remembered when dedup is on.
+    def settle_resident(self, share_id: int, files: Files, found: bytes,
+                        read_bytes: int) -> None:
+        """Files the probe found warm: one bulk record per share, remembered when dedup is on.
         `found` holds positions in `files` (uint32, native order)."""
         positions = array("I")
         positions.frombytes(found)
         if not files.whole:
             positions = array("I", [files.indexes[i] for i in positions])
         self.counters["probed_resident"] += len(positions)
-        self.latency.observe_many(0.0, len(positions))
-        self.outcomes_of(share, positions, "resident")
+        self.report.latency.observe_many(0.0, len(positions))
+        self.report.settle_all(share_id, positions, "resident")
         if self.recent.enabled:
             names, root_of = files.all_names(), files.root_of
             for index in positions:
@@ -284,7 +243,7 @@ class Worker:
     def queue_up(self, message: Warm, files: Files, received: float) -> None:
         """Files the engines must decide: joined to one already out, or queued."""
         read_bytes, deadline, flags = message.read_bytes, message.deadline, message.flags
-        share, client = message.share, message.client
+        share_id, client = message.share_id, message.client
         self.requests = group = self.requests % 0xFFFFFFFF + 1  # newer: later (schedule.c)
         queue = self.pending.get(message.warm_mode)
         if queue is None:
@@ -292,7 +251,7 @@ class Worker:
         names, root_of = files.all_names(), files.root_of
         hold, keeping = self.keeping.hold_flag, self.keeping
         for index in files.indexes:
-            ticket = ticket_of(share, index) if share else 0
+            ticket = ticket_of(share_id, index) if share_id != UNFOLLOWED else UNFOLLOWED
             root_index, relative = root_of[index], names[index]
             key: Key = (root_index, relative)
             tier = self.tiers[root_index]
@@ -308,16 +267,17 @@ class Worker:
             if root_fd < 0:  # not open yet (missing at start, or its tier not answering)
                 skip = "missing"
             if skip in ("missing", "resident"):  # or held, or in the file system's cache
-                for waiting in self.in_flight.settle(key, depth):
-                    self.outcome(waiting, skip, 0, errno.ENOENT if skip == "missing" else 0)
+                for waiting in self.in_flight.finish(key, depth):
+                    self.report.settle(waiting, skip, 0,
+                                       errno.ENOENT if skip == "missing" else 0)
                 continue
             queue.append(WarmItem(root_fd, self.rules[root_index], relative, depth, key,
                                   received, deadline, flags | hold if tier.hold else flags,
                                   group, client))
 
-    def inspect(self, message: Warm) -> None:
+    def inspect(self, message: Check | Evict) -> None:
         """check or evict: look at each file (kvp_inspect) and report its state and
-        figures, on this thread between rounds (worker_inspect.py: in parallel on a
+        figures, on this thread between rounds (inspection.py: in parallel on a
         network or FUSE root). Only the root's own file system is asked: a file behind
         another mount beneath the root (a FUSE mount in a subdirectory, which may hang)
         comes back failed (EXDEV, `other_mount`) unlooked at; a root whose own file system
@@ -325,19 +285,19 @@ class Worker:
         would undo a warm-up: a held file is resident (holds.py), any other on a hold
         root cold, and every file of a root found futile (reopen.py) futile."""
         lib = self.native.lib
-        check = message.warm_mode == CHECK
+        check = isinstance(message, Check)
         action = (lib.KVP_INSPECT_CHECK if check
-                  else lib.KVP_INSPECT_EVICT_FILE if message.warm_mode == EVICT_FILE
+                  else lib.KVP_INSPECT_EVICT_FILE if isinstance(message, Evict) and message.whole
                   else lib.KVP_INSPECT_EVICT_HEAD)
-        names, root_of = message.paths.split(b"\0"), roots_of(message)
-        count = len(root_of)
+        names, root_of = message.files.paths.split(b"\0"), message.files.root_indexes()
+        count, looked = len(root_of), self.report.looked
         self.counters["checked" if check else "evicted"] += count
         for start in range(0, count, INSPECT_AT_ONCE):
             tickets: list[int] = []
             items: list[WarmItem] = []
             remote = False
             for index in range(start, min(count, start + INSPECT_AT_ONCE)):
-                ticket = ticket_of(message.share, index)
+                ticket = ticket_of(message.share_id, index)
                 root_index, relative = root_of[index], names[index]
                 key = (root_index, relative)
                 tier = self.tiers[root_index]
@@ -347,11 +307,12 @@ class Worker:
                 elif (known := self.keeping.known_state(
                         key, root_index, relative, tier,
                         WHOLE_FILE if tier.whole else message.read_bytes)) is not None:
-                    self.outcomes.append([ticket, *known])
+                    looked.add(ticket, known.state, known.err, known.size, known.cached,
+                               known.tier)
                     continue
                 root_fd = self.root_fds[root_index]
                 if root_fd < 0:  # not open yet: as a warm-up says of it
-                    self.outcomes.append([ticket, "missing", 0, errno.ENOENT, 0, 0, 0])
+                    looked.add(ticket, "missing", errno.ENOENT)
                     continue
                 remote = remote or not self.prober.local(root_index)
                 tickets.append(ticket)
@@ -360,8 +321,7 @@ class Worker:
             if items:
                 for ticket, look in zip(tickets, self.inspector.look(action, items, remote),
                                         strict=True):
-                    self.outcomes.append([ticket, look.state, 0, look.err, look.size,
-                                          look.cached, look.tier])
+                    looked.add(ticket, look.state, look.err, look.size, look.cached, look.tier)
 
     def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
         """Give the engine what waits for it: all of it (a queue) or one batch."""
@@ -393,30 +353,9 @@ class Worker:
             self.poller.register(fd, select.POLLIN)
             self.watched.add(fd)
 
-    def queue_figures(self) -> dict[str, Any]:
-        """The queue engines' state, summed over warm modes; depth per root index."""
-        queues = [e for e in self.engines.built() if isinstance(e, QueueEngine)]
-        if not queues:
-            return {}
-        index_of = {fd: str(i) for i, fd in enumerate(self.root_fds) if fd >= 0}
-        figures: dict[str, Any] = {"threads": 0, "running": 0, "stalled": 0, "timed_out": 0,
-                                   "other_mount_threads": 0, "other_mount_stuck": 0,
-                                   "other_mount_refused": 0, "depth": {}}
-        for engine in queues:
-            now = engine.figures()
-            figures["threads"] += now.threads
-            figures["running"] += now.running
-            figures["stalled"] += now.stalled
-            figures["timed_out"] += now.timed_out
-            figures["other_mount_threads"] += now.other_mount_threads
-            figures["other_mount_stuck"] += now.other_mount_stuck
-            figures["other_mount_refused"] += now.other_mount_refused
-            for fd, (depth, rtt_us) in now.depth.items():
-                if fd in index_of:
-                    figures["depth"][index_of[fd]] = [depth, rtt_us]
-        return figures
-
-    def settle(self, completion: Completion) -> None:
+    def judge(self, completion: Completion) -> None:
+        """An engine is done with a file: judge what it did (keeping.py) and settle every
+        ticket that waited for it."""
         item = completion.item
         outcome = completion.outcome
         if outcome == "read":
@@ -427,12 +366,12 @@ class Worker:
         if outcome in ("read", "resident"):
             self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
-        self.latency.observe(time.monotonic() - item.received)
-        tickets = self.in_flight.settle(item.key, item.read_bytes)
+        self.report.latency.observe(time.monotonic() - item.received)
+        tickets = self.in_flight.finish(item.key, item.read_bytes)
         for position, ticket in enumerate(tickets):
             # Bytes are counted once per real read, not once per waiting request.
-            self.outcome(ticket, outcome, bytes_read if position == 0 else 0,
-                         completion.error)
+            self.report.settle(ticket, outcome, bytes_read if position == 0 else 0,
+                               completion.error)
         if completion.outcome == "failed":
             log.debug(
                 "worker %d: %r failed: %s",
@@ -441,46 +380,13 @@ class Worker:
                 os.strerror(completion.error) if completion.error else "unknown",
             )
 
-    def outcome(self, ticket: int, outcome: str, nbytes: int, error: int = 0) -> None:
-        """Ticket 0 is a fire-and-forget file: reported as a count, not one by one. A
-        followed file that was warmed goes in its share's tally; one that was not is
-        reported by ticket with its errno: the reply names it and says why."""
-        if not ticket:
-            self.anonymous[outcome] += 1
-            self.anonymous_bytes += nbytes
-        elif outcome == "read" or outcome == "resident":
-            self.tally(ticket >> TICKET_INDEX_BITS, outcome).add_one(
-                ticket & TICKET_INDEX_MASK, nbytes)
-        else:
-            self.outcomes.append([ticket, outcome, nbytes, error])
-
-    def outcomes_of(self, share: int, indexes: Sequence[int], outcome: str,
-                    error: int = 0) -> None:
-        """`outcome` for these files of one message, as `outcome` says it of each file, in
-        one step: a count (fire and forget), the share's tally, or by ticket. Nothing was
-        read of them (no bytes)."""
-        if not share:
-            self.anonymous[outcome] += len(indexes)
-        elif outcome == "read" or outcome == "resident":
-            self.tally(share, outcome).add(indexes)
-        else:
-            self.outcomes.extend([ticket_of(share, index), outcome, 0, error]
-                                 for index in indexes)
-
-    def tally(self, share: int, outcome: str) -> Tally:
-        tally = self.tallies.get((share, outcome))
-        if tally is None:
-            tally = self.tallies[(share, outcome)] = Tally()
-        return tally
-
     def flush(self) -> None:
         """Report what was settled since the last report; with nothing settled, an empty
         report once a second while files are out, so the supervisor hears a live worker."""
         now = time.monotonic()
         queue_due = now - self.queue_reported >= QUEUE_REPORT_SECONDS
         holding_now = queue_due and self.keeping.holding_changed
-        if not self.outcomes and not self.anonymous and not self.tallies \
-                and not self.keeping.verdicts.changed and not holding_now:
+        if not self.report.owed and not self.keeping.verdicts.changed and not holding_now:
             busy = any(engine.outstanding for engine in self.engines.built())
             if not busy or now - self.reported < HEARTBEAT_SECONDS:
                 return
@@ -494,21 +400,7 @@ class Worker:
         queue: dict[str, Any] = {}
         if queue_due:
             self.queue_reported = now
-            queue = {**self.queue_figures(), **self.keeping.gauge()}
-        send_all_blocking(self.sock, Done(
-            settled=self.outcomes,
-            bulk=[[share, outcome, tally.count, tally.nbytes, tally.indexes.tobytes()]
-                  for (share, outcome), tally in self.tallies.items()],
-            counters=counters,
-            anonymous=dict(self.anonymous),
-            anonymous_bytes=self.anonymous_bytes,
-            latency_counts=self.latency.counts,
-            latency_sum=self.latency.sum,
-            queue=queue,
-            verdicts=self.keeping.verdicts.take_changed(),
-        ))
-        self.outcomes = []
-        self.tallies = {}
-        self.anonymous.clear()
-        self.anonymous_bytes = 0
-        self.latency = Histogram(FILE_BUCKETS)
+            queue = {**queue_figures(self.engines.built(), self.root_fds),
+                     **self.keeping.gauge()}
+        send_all_blocking(self.sock, self.report.done(
+            counters, queue, self.keeping.verdicts.take_changed()))

@@ -3,7 +3,7 @@
 The child drops the supervisor's fds and signal handlers, names itself, renices and
 goes SCHED_BATCH, pins glibc's malloc behaviour, builds its engines (or says why it
 cannot: BootFailed, and EXIT_BOOT_FAILED), reports Ready and runs the Worker's loop
-(worker.py) until the supervisor goes away.
+(loop.py) until the supervisor goes away.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import socket
 import sys
 from typing import NoReturn
 
-from kvprefetchd.channel import BootFailed, Ready, close_other_fds, send_all_blocking
+from kvprefetchd.channel import BootFailed, Ready, close_other_fds
 from kvprefetchd.engines import WarmEngines
 from kvprefetchd.faults import WORKER_BOOT_FAILS, injected
-from kvprefetchd.worker.loop import Worker, WorkerPlan
+from kvprefetchd.worker.loop import Worker
+from kvprefetchd.worker.plan import WorkerPlan
+from kvprefetchd.worker.report import send_all_blocking
 
 log = logging.getLogger("kvprefetchd.worker")
 

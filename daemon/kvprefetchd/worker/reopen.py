@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvprefetchd.channel import Verdict
+
 STRIKES = 2
 RECHECK_SECONDS = 600.0
 
@@ -36,7 +38,7 @@ class Verdicts:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._roots: dict[int, RootVerdict] = {}
         self._clock = clock
-        self.changed: list[list[object]] = []  # [index, verdict] not reported yet
+        self.changed: list[Verdict] = []  # not reported yet
 
     def wants_look(self, index: int) -> bool:
         root = self._roots.get(index)
@@ -54,7 +56,7 @@ class Verdicts:
         root.due = self._clock() + RECHECK_SECONDS
         if verdict != root.verdict:
             root.verdict = verdict
-            self.changed.append([index, verdict])
+            self.changed.append(Verdict(index, verdict))
 
     def dropped(self, index: int) -> bool:
         root = self._roots.get(index)
@@ -64,6 +66,6 @@ class Verdicts:
         """A root reopened: its directory may be another mount with other options."""
         self._roots.pop(index, None)
 
-    def take_changed(self) -> list[list[object]]:
+    def take_changed(self) -> list[Verdict]:
         changed, self.changed = self.changed, []
         return changed
