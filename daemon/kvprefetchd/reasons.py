@@ -45,7 +45,7 @@ def given_path(path: object) -> str | bytes:
     return repr(path)[:200]
 
 
-def refusals(rejected: Iterable[tuple[object, str]], dropped: Iterable[object],
+def turned_away(rejected: Iterable[tuple[object, str]], dropped: Iterable[object],
              ) -> Iterator[tuple[str | bytes, str, str]]:
     """The files the supervisor turned away, as (path, outcome, reason), in the order
     every reply lists them: the rejected, then the dropped."""

@@ -29,7 +29,7 @@ TRICKY = [
 
 def same(native: Admission, python: Admission) -> None:
     assert native.shares == python.shares
-    assert native.refused == python.refused
+    assert native.rejected_paths == python.rejected_paths
     assert native.dropped_paths == python.dropped_paths
     assert (native.accepted, native.dropped, native.room) == (
         python.accepted, python.dropped, python.room)
@@ -70,7 +70,7 @@ def test_requests_the_native_gate_cannot_take_go_through_the_python_one() -> Non
     for paths in odd:
         same(admitter.admit(list(paths), [10, 10]), admit(list(paths), roots, [10, 10]))
     assert admitter.native_requests == before
-    reasons = [reason for _, reason in admitter.admit(["/kv/b\0c", 7], [10, 10]).refused]
+    reasons = [reason for _, reason in admitter.admit(["/kv/b\0c", 7], [10, 10]).rejected_paths]
     assert reasons == ["nul_byte", "not_a_path"]
 
 

@@ -26,7 +26,7 @@ def test_mountinfo_is_parsed_with_escapes() -> None:
 def test_this_machines_tmp_gets_the_pagecache_rule(tmp_path: Path) -> None:
     rule = choose_rule(str(tmp_path), "auto")
     assert rule.fstype != "unknown"
-    assert rule.rule == "pagecache"
+    assert rule.name == "pagecache"
 
 
 def test_gpfs_roots_get_the_tier_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,13 +34,13 @@ def test_gpfs_roots_get_the_tier_rule(tmp_path: Path, monkeypatch: pytest.Monkey
     device = os.stat(tmp_path).st_dev
     mountinfo = f"40 22 {os.major(device)}:{os.minor(device)} / / rw - gpfs fs1 rw\n"
     assert filesystem_type(str(tmp_path), mountinfo) == "gpfs"
-    assert choose_rule(str(tmp_path), "auto", mountinfo).rule == "tier"
-    assert choose_rule(str(tmp_path), "pagecache", mountinfo).rule == "pagecache"
+    assert choose_rule(str(tmp_path), "auto", mountinfo).name == "tier"
+    assert choose_rule(str(tmp_path), "pagecache", mountinfo).name == "pagecache"
 
 
 def test_missing_root_is_unknown_and_gets_pagecache(tmp_path: Path) -> None:
     rule = choose_rule(str(tmp_path / "absent"), "auto")
-    assert (rule.fstype, rule.rule) == ("unknown", "pagecache")
+    assert (rule.fstype, rule.name) == ("unknown", "pagecache")
 
 
 def test_defaults_are_valid() -> None:

@@ -71,7 +71,7 @@ def test_admit_confines_shards_and_drops_past_the_room() -> None:
     admission = admit(paths, roots, room)
     assert room == [3, 100]  # pure: the caller's figures are not touched
     assert admission.rejected == 3
-    assert [reason for _, reason in admission.refused] == [
+    assert [reason for _, reason in admission.rejected_paths] == [
         "outside_roots", "dotdot", "not_a_path",
     ]
     expected = [sum(1 for i in range(10) if shard_of(0, f"{i}.bin".encode(), 2) == w)
@@ -118,7 +118,7 @@ def test_books_complete_a_waiter_once_its_last_file_settles() -> None:
     first = books.issue(0, request, entries(1))
     second = books.issue(1, request, entries(2))
     assert first and second and first != second  # each share booked under its own id
-    books.count_refused(request, dropped=["/kv/x", "/kv/y"], rejected=[])
+    books.count_turned_away(request, dropped=["/kv/x", "/kv/y"], rejected=[])
     assert settle(books, 0, ticket_of(first, 0), "read", 4096) is None
     assert books.settle_bulk(1, bulk(second, "resident", [0, 1])) is request
     assert request.outcome_map()["read"] == 1 and request.dropped == 2

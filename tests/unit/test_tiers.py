@@ -87,7 +87,7 @@ def test_the_disk_cache_of_a_root_is_found_beneath_the_mount() -> None:
 def test_the_configured_extent_overrides_the_profiles(fstype: str, configured: str,
                                                       extent: str, rule: str) -> None:
     decided = rule_of("/r", fstype, "auto", configured)
-    assert (decided.extent, decided.rule) == (extent, rule)
+    assert (decided.extent, decided.name) == (extent, rule)
     assert warm_extent(profile_for(fstype), "auto") == profile_for(fstype).extent
 
 

@@ -58,7 +58,7 @@ def diagnose_root(state: RootState, config: Config, engine: str) -> dict[str, An
         return report
     profile, facts = rule.profile, rule.facts
     report.update(
-        fstype=rule.fstype, mount_point=rule.mount_point, rule=rule.rule, why=rule.why,
+        fstype=rule.fstype, mount_point=rule.mount_point, rule=rule.name, why=rule.why,
         extent=rule.extent, keep=rule.keep, near=profile.near, promotes=profile.promotes,
         source=profile.source, verdict=state.verdict or "not yet looked",
         read_ahead_kb=facts.read_ahead_kb, hold=rule.hold,

@@ -42,7 +42,7 @@ from kvprefetchd.protocol import (
     parse_request,
     request_id_of,
 )
-from kvprefetchd.reasons import refusals
+from kvprefetchd.reasons import turned_away
 from kvprefetchd.request_fields import (
     WarmOptions,
     parse_inspect_options,
@@ -223,8 +223,8 @@ class Ops:
         waiter = Waiter(request.request_id, now, deadline, reply_to=connection,
                         inspection=Inspection(options.details, evict=mode != CHECK))
         admission = self.admitter.admit(paths, self.pool.room())
-        self.books.count_refused(waiter, dropped=admission.dropped_paths,
-                                 rejected=admission.refused)
+        self.books.count_turned_away(waiter, dropped=admission.dropped_paths,
+                                 rejected=admission.rejected_paths)
         self.pool.inspect(admission.shares, waiter, options.read_bytes, mode)
         self.follow_up(waiter)
 
@@ -255,11 +255,11 @@ class Ops:
         """Queue the files; ack now (fire and forget) or answer once they are settled."""
         self.check_count(paths, request)
         admission = self.admitter.admit(paths, self.pool.room())
-        if admission.refused and log.isEnabledFor(logging.DEBUG):
-            for path, reason in admission.refused:
+        if admission.rejected_paths and log.isEnabledFor(logging.DEBUG):
+            for path, reason in admission.rejected_paths:
                 log.debug("rejected %r: %s", path, reason)
-        self.books.count_refused(waiter, dropped=admission.dropped_paths,
-                                 rejected=admission.refused)
+        self.books.count_turned_away(waiter, dropped=admission.dropped_paths,
+                                 rejected=admission.rejected_paths)
         if not options.wait:
             # The ack goes out before the workers hear of the files: once they wake they
             # take both CPUs of a small host, and the caller must not wait behind them.
@@ -268,8 +268,8 @@ class Ops:
                 request.request_id, accepted=admission.accepted, dropped=admission.dropped,
                 rejected=admission.rejected, room=admission.room, **fields,
             )
-            if admission.refused or admission.dropped:
-                self.list_refusals(reply, admission, options.max_failures)
+            if admission.rejected_paths or admission.dropped:
+                self.list_turned_away(reply, admission, options.max_failures)
             connection.send(reply)
         flags = self.noatime_flag if self.config.preserve_atime else 0
         self.pool.dispatch(admission.shares, waiter, options.read_bytes, warm_mode,
@@ -292,9 +292,10 @@ class Ops:
         elif waiter.deadline is not None:
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._sequence), waiter))
 
-    def list_refusals(self, reply: dict[str, Any], admission: Admission, limit: int) -> None:
+    def list_turned_away(self, reply: dict[str, Any], admission: Admission, limit: int) -> None:
         """An ack's `failures`: the files turned away at once (none of them was queued)."""
-        listed = itertools.islice(refusals(admission.refused, admission.dropped_paths), limit)
+        listed = itertools.islice(
+            turned_away(admission.rejected_paths, admission.dropped_paths), limit)
         failures = [self.failure(*failure) for failure in listed]
         reply["failures"] = failures
         reply["failures_truncated"] = admission.rejected + admission.dropped - len(failures)

@@ -50,7 +50,7 @@ NETWORK_START_DEPTH = 256
 class RootRule:
     root: str
     fstype: str
-    rule: str
+    name: str  # the rule: pagecache, tier or off (its native enum: code)
     why: str
     profile: TierProfile = field(default_factory=lambda: profile_for("unknown"))
     extent: str = "head"  # head or whole (tiers.warm_extent)
@@ -86,7 +86,7 @@ class RootRule:
     @property
     def code(self) -> int:
         """The rule's native code: KVP_RES_<RULE> of native/kvprefetch.h."""
-        return load_native().rule_codes[self.rule]
+        return load_native().rule_codes[self.name]
 
 
 def parse_mountinfo(text: str) -> list[tuple[str, str, str]]:

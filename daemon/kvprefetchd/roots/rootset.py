@@ -102,7 +102,7 @@ class RootState:
     @property
     def code(self) -> int:
         """The native residency rule code (KVP_RES_*); off until the rule is known."""
-        rule = self.rule.rule if self.rule is not None else "off"
+        rule = self.rule.name if self.rule is not None else "off"
         return int(load_native().rule_codes[rule])
 
     @property
@@ -254,15 +254,15 @@ class RootSet:
             os.close(result.fd)
             log.warning("root %s was replaced (%s): reopened, %s file system, %s rule; its "
                         "files are served from the directory it leads to now",
-                        state.path, result.replaced, rule.fstype, rule.rule)
+                        state.path, result.replaced, rule.fstype, rule.name)
         else:
             state.fd = result.fd
             if state.status == "opening":
                 log.info("root %s: %s file system, %s rule (%s)",
-                         state.path, rule.fstype, rule.rule, rule.why)
+                         state.path, rule.fstype, rule.name, rule.why)
             else:
                 log.info("root %s is open now: its files are served (%s file system, %s "
-                         "rule)", state.path, rule.fstype, rule.rule)
+                         "rule)", state.path, rule.fstype, rule.name)
         state.opened += 1
         state.rule = rule
         state.status, state.message = "open", ""
@@ -310,7 +310,7 @@ class RootSet:
 
     # ---- the loop's side ---------------------------------------------------------------
 
-    def settled(self) -> bool:
+    def all_answered(self) -> bool:
         """Every root answered once (opened or not): what start-up waits for."""
         return all(state.status != "opening" for state in self.states)
 
@@ -363,7 +363,7 @@ class RootSet:
         return [{
             "root": state.path,
             "fstype": state.rule.fstype if state.rule else "unknown",
-            "rule": state.rule.rule if state.rule else "unknown",
+            "rule": state.rule.name if state.rule else "unknown",
             "why": state.message if state.message or not state.rule else state.rule.why,
             "status": state.status,
             "reopened": state.reopened,

@@ -41,13 +41,13 @@ class Admission:
     shares: list[Share | None]
     accepted: int = 0
     dropped: int = 0
-    refused: list[tuple[object, str]] = field(default_factory=list)  # (path, reason)
+    rejected_paths: list[tuple[object, str]] = field(default_factory=list)  # (path, reason)
     dropped_paths: list[object] = field(default_factory=list)  # as given, for `failures`
     room: int = 0  # files an evenly sharded request may hold after these without a drop
 
     @property
     def rejected(self) -> int:
-        return len(self.refused)
+        return len(self.rejected_paths)
 
 
 def room_left(left: list[int]) -> int:
@@ -136,6 +136,6 @@ class Admitter:
                 if code == dropped:
                     admission.dropped_paths.append(paths[index])
                 elif code:
-                    admission.refused.append((paths[index], self._reasons[code]))
+                    admission.rejected_paths.append((paths[index], self._reasons[code]))
             admission.dropped = len(admission.dropped_paths)
         return admission

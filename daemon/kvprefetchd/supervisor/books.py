@@ -31,7 +31,7 @@ from kvprefetchd.channel import (
     share_id_of,
 )
 from kvprefetchd.protocol import DEFAULT_MAX_FAILURES, OUTCOMES
-from kvprefetchd.reasons import reason_of, refusals
+from kvprefetchd.reasons import reason_of, turned_away
 
 if TYPE_CHECKING:
     from kvprefetchd.kv import Profile
@@ -189,11 +189,11 @@ class Books:
         self.unfollowed[worker] = max(0, self.unfollowed[worker] - settled)
         self.bytes_read += nbytes
 
-    def count_refused(self, waiter: Waiter | None, *, dropped: list[object],
+    def count_turned_away(self, waiter: Waiter | None, *, dropped: list[object],
                       rejected: list[tuple[object, str]]) -> None:
         """Files dropped (queue full) or rejected before queuing: settled on the spot."""
         if waiter is not None and waiter.inspection is not None:
-            for path, state, reason in refusals(rejected, dropped):
+            for path, state, reason in turned_away(rejected, dropped):
                 waiter.inspection.add(path, state, 0, 0, 0, reason)
             return
         self.totals["dropped"] += len(dropped)
@@ -201,7 +201,7 @@ class Books:
         if waiter is not None:
             waiter.dropped += len(dropped)
             waiter.rejected += len(rejected)
-            for failure in refusals(rejected, dropped):
+            for failure in turned_away(rejected, dropped):
                 waiter.fail(*failure)
 
     def _take(self, worker: int, share_id: int, count: int) -> Booked | None:

@@ -136,7 +136,7 @@ class Supervisor:
         """Wait for every root's first answer until `deadline` (a root that does not answer
         is served once it does). A root refused at start (a symlink, a directory another
         user could swap) stops the daemon with the reason."""
-        while not self.roots.settled() and not self.stopping and time.monotonic() < deadline:
+        while not self.roots.all_answered() and not self.stopping and time.monotonic() < deadline:
             self.run_once(min(0.1, max(0.0, deadline - time.monotonic())))
         for state in self.roots.states:
             if state.status == "opening":
