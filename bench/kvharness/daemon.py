@@ -151,13 +151,20 @@ def launch(args: Sequence[str], *, socket_path: str | Path, root: Path, log_path
 
 
 def start_cli(workdir: Path, *args: str, root: Path | None = None, wait: bool = True,
-              env: Mapping[str, str] | None = None) -> Daemon:
+              env: Mapping[str, str] | None = None,
+              settings: Mapping[str, Any] | None = None) -> Daemon:
     """A daemon configured by its command line in workdir: socket in workdir/run, root
-    workdir/kv (made), log workdir/daemon.log, debug logging, 2 workers unless args say."""
+    workdir/kv (made), log workdir/daemon.log, debug logging, 2 workers unless args say.
+    settings: config keys without a flag (dedup_ttl_ms=0, ...), written to
+    workdir/cli.toml and given as --config (flags override it)."""
     root = root or workdir / "kv"
     root.mkdir(parents=True, exist_ok=True)
     socket_path = workdir / "run" / "kvprefetchd.sock"
     full = ["--socket", str(socket_path), "--root", str(root), "--log-level", "debug", *args]
+    if settings:
+        if "--config" in args:
+            raise ValueError("settings= writes the config file: put its keys there")
+        full += ["--config", str(write_config(workdir / "cli.toml", settings))]
     if "--workers" not in args:
         full += ["--workers", "2"]
     return launch(full, socket_path=socket_path, root=root, log_path=workdir / "daemon.log",
@@ -176,3 +183,9 @@ def start_config(workdir: Path, settings: Mapping[str, Any], *, name: str = "kvp
     return launch(["--config", str(config)], socket_path=full["socket"],
                   root=Path(full["roots"][0]), log_path=log_path or workdir / f"{name}.log",
                   env=env, wait=wait, new_session=new_session)
+
+
+def start_on(workdir: Path, root: Path, **settings: Any) -> Daemon:
+    """start_config on one root (settings may name `roots` instead) with 2 workers unless
+    settings say: the daemon most integration tests want, configured by key."""
+    return start_config(workdir, {"roots": [str(root)], "workers": 2, **settings})

@@ -1,5 +1,5 @@
-"""Files with real data, evicted for certain; heads kept resident for certain; and how
-much of a file the page cache holds, or held before the host took it back.
+"""Heads kept resident for certain, and how much of a file the page cache holds, or held
+before the host took it back (files with real data, evicted for certain: files.py).
 
 A test that reads a file and later asserts on residency races the host: this VM's
 reclaimer (DAMON, every 5 s) takes some freshly read pages within a second, and other
@@ -11,7 +11,8 @@ tolerant:
   by. Where mlock is refused (no CAP_IPC_LOCK and RLIMIT_MEMLOCK too small), the heads
   are only mapped, and `Pin.kept()` says which of them are still whole just before the
   request, counting the ones the reclaimer took.
-- `evict(path)`: DONTNEED, then verified empty (cachestat, else mincore), retried.
+- `evict(path)` (files.py, beside the verified `write`): DONTNEED, then verified empty
+  (cachestat, else mincore), retried.
 - `assert_warmed(paths, length, since=drops())`: after something read the heads, every
   page is in the page cache or was reclaimed after it got there (cachestat counts the
   shadow entries reclaim leaves); a drop_caches by someone else meanwhile skips.
@@ -26,7 +27,6 @@ with itself.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,10 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from kvharness import kernel_pages as kp
+from kvharness.files import EVICT_TIMEOUT_S, EvictionFailed, evict, make_file
+
+# evict and make_file live in files.py beside the one verified write; named here too for
+# the benchmarks and native tests that import them from this module.
+__all__ = ["EVICT_TIMEOUT_S", "PAGE", "EvictionFailed", "Pin", "Warmth", "assert_warmed",
+           "cached_and_reclaimed", "drops", "evict", "make_file", "native_lib", "pinned",
+           "residency", "resident_bytes", "warmth"]
 
 PAGE = kp.PAGE
-CHUNK = 1 << 20
-EVICT_TIMEOUT_S = 10.0  # pages under a read or writeback settle in ms; mapped ones never
 
 
 def native_lib() -> Any:
@@ -93,68 +98,6 @@ def resident_bytes(path: str | Path, length: int, *, uptodate: bool = True) -> i
     """Bytes of the head [0, length) in the page cache; by default only pages whose read
     completed (mincore), which is what a check right after a `wait` reply wants."""
     return residency(path, 0, length, uptodate=uptodate)[0]
-
-
-# --- eviction, verified ------------------------------------------------------------
-
-
-class EvictionFailed(AssertionError):
-    """Pages that DONTNEED would not drop within EVICT_TIMEOUT_S: mapped (a pin, another
-    process's mmap) or mlocked, most likely. A test must not go on believing it cold."""
-
-
-def evict(path: str | Path, *, sync: bool = True, verify: bool = True,
-          timeout: float = EVICT_TIMEOUT_S) -> None:
-    """Drop a file's pages and make sure they are gone.
-
-    posix_fadvise(DONTNEED) invalidates clean, unmapped, unlocked pages (mm/fadvise.c,
-    mm/truncate.c mapping_try_invalidate, which clears the range's shadow entries too,
-    so a cold file shows no past reclaim to assert_warmed). It skips dirty pages (synced
-    first unless the caller knows the file is clean: sync=False spares a disk flush),
-    pages under writeback or a read in flight, and pages still in a CPU's LRU batch
-    (fadvise drains those on a shortfall). So it is repeated until cachestat (or
-    mincore) finds nothing cached, syncing when dirty pages are what is left.
-    verify=False: one DONTNEED, nothing checked (a fault injector racing readers).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if sync:
-            os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if not verify:
-            return
-        give_up, pause = time.monotonic() + timeout, 0.001
-        while (left := kp.cached_pages(fd)).pages:
-            if time.monotonic() > give_up:
-                raise EvictionFailed(f"{path}: {left.pages} pages still cached after "
-                                     f"{timeout:.0f} s of DONTNEED ({left.dirty} dirty, "
-                                     f"{left.writeback} under writeback; the rest mapped "
-                                     "or locked)")
-            if left.dirty or left.writeback:
-                os.fdatasync(fd)
-            time.sleep(pause)  # a read or writeback in flight: it settles, then retry
-            pause = min(pause * 2, 0.05)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def make_file(path: Path, size: int, *, written: int | None = None) -> Path:
-    """A file of `size` bytes whose first `written` (default: all) are real random data,
-    allocated on disk; the rest is a hole (ftruncate), so st_blocks counts only the
-    written head. Synced and evicted (verified): it starts cold."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written = size if written is None else min(written, size)
-    block = os.urandom(min(written, CHUNK)) if written else b""
-    with open(path, "wb") as handle:
-        done = 0
-        while done < written:
-            chunk = block[: written - done]
-            handle.write(chunk)
-            done += len(chunk)
-        handle.truncate(size)
-    evict(path)
-    return path
 
 
 # --- pinning: heads that stay resident ---------------------------------------------

@@ -19,17 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvharness import kernel_pages
-from kvharness.pagecache import (
-    PAGE,
-    EvictionFailed,
-    assert_warmed,
-    cached_and_reclaimed,
-    drops,
-    evict,
-    make_file,
-    pinned,
-    warmth,
-)
+from kvharness.files import EvictionFailed, evict, make_file
+from kvharness.pagecache import PAGE, assert_warmed, cached_and_reclaimed, drops, pinned, warmth
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -20,7 +20,7 @@ import replay
 import replay_stream
 from replay_stream import StreamSpec, stream
 
-import tiersim
+from kvharness.fixtures import require_fuse
 
 SPEC = StreamSpec(seed=7, docs=3000, systems=6, system_blocks=2, doc_blocks=4, zipf_s=1.0)
 
@@ -98,12 +98,7 @@ def test_load_warm_files_and_deltas(big: replay_stream.Stream) -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
 def test_a_small_replay_through_the_daemon_and_tiersim(tmp_path: Path) -> None:
-    try:
-        tiersim.check_fuse()
-    except tiersim.FuseUnavailable as error:
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+    require_fuse()
     out = tmp_path / "out"
     code = replay.main(["--out", str(out), "--base", str(tmp_path / "data"), "--reps", "1",
                         "--loads", "0.9", "--duration-s", "1.5", "--drain-s", "20",

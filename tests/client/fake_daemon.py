@@ -25,6 +25,8 @@ class FakeDaemon:
         self.path = path
         self.seen: list[dict[Any, Any]] = []  # every decoded request, in arrival order
         self.connections = 0  # accepted so far
+        self.replies_sent = 0  # whole replies written to a socket so far
+        self._sent = threading.Condition()
         # Knobs.
         self.hold_waits = 0  # hold `wait` replies until this many, then send them reversed
         self.delay_s: dict[str, float] = {}  # op -> seconds before its reply
@@ -181,6 +183,17 @@ class FakeDaemon:
                 conn.sendall(frame[3:])
             else:
                 conn.sendall(frame)
+        with self._sent:
+            self.replies_sent += 1
+            self._sent.notify_all()
+
+    def wait_replies_sent(self, count: int, timeout: float = 10.0) -> None:
+        """Block until `count` replies in all were written (a late one is then waiting on
+        the client's socket): the state a test waits for instead of sleeping its delay."""
+        with self._sent:
+            if not self._sent.wait_for(lambda: self.replies_sent >= count, timeout):
+                raise AssertionError(f"{self.replies_sent} replies sent in {timeout} s, "
+                                     f"not {count}")
 
 
 class BadRequest(Exception):

@@ -138,10 +138,11 @@ def test_timeout_then_the_late_reply_is_dropped(daemon: FakeDaemon) -> None:
 
     async def body(c: AsyncClient) -> None:
         c.timeout = 0.1
+        sent = daemon.replies_sent
         with pytest.raises(Timeout):
             await c.ping()
         c.timeout = 2.0
-        await asyncio.sleep(0.3)  # the late ping reply arrives and is dropped
+        daemon.wait_replies_sent(sent + 1)  # the late ping reply arrives, to be dropped
         assert "requests" in await c.stats()
         c.timeout = 0.1
         daemon.delay_s["prefetch"] = 0.3

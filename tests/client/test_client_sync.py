@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,10 +152,11 @@ def test_a_refusal_answers_every_request_of_a_pipeline(
 def test_timeout_then_the_late_reply_is_skipped(client: Client, daemon: FakeDaemon) -> None:
     client.timeout = 0.1
     daemon.delay_s["ping"] = 0.3
+    sent = daemon.replies_sent
     with pytest.raises(Timeout):
         client.ping()
     client.timeout = 2.0
-    time.sleep(0.3)  # the late ping reply is now waiting on the socket
+    daemon.wait_replies_sent(sent + 1)  # the late ping reply is now waiting on the socket
     assert "requests" in client.stats()
     assert daemon.connections == 1
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from kvharness.daemon import Daemon, start_config
-from kvharness.pagecache import evict, resident_bytes
+from kvharness.files import evict, write_all
+from kvharness.pagecache import resident_bytes
 from kvprefetch.aio import AsyncClient
 from kvprefetch.bulk import Bulk, read_paths
 
@@ -21,17 +21,7 @@ KiB = 1 << 10
 
 
 def make_cold(root: Path, count: int, size: int = 4 * KiB) -> list[str]:
-    paths = []
-    block = os.urandom(size)
-    for i in range(count):
-        path = root / f"{i % 64:02x}" / f"{i:06d}.bin"
-        path.parent.mkdir(exist_ok=True)
-        path.write_bytes(block)
-        paths.append(str(path))
-    os.sync()
-    for path in paths:
-        evict(path, sync=False)
-    return paths
+    return write_all((root / f"{i % 64:02x}" / f"{i:06d}.bin" for i in range(count)), size)
 
 
 def kvprefetch(daemon: Daemon, *args: str, stdin: bytes | None = None

@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-import tiersim
 from kvharness.daemon import Daemon, start_config
+from kvharness.files import write_all
+from kvharness.fixtures import mount_tier
 
 KiB = 1 << 10
 FILES = 60
@@ -33,24 +34,16 @@ GIVE_UP_BOUND_S = 12  # a stopped daemon is given up on within --timeout plus a 
 
 
 @pytest.fixture
-def tier(tmp_path: Path) -> Iterator[Any]:
-    backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    mountpoint.mkdir()
-    try:
-        with tiersim.mount(backing, mountpoint, latency_ms=LATENCY_MS, slots=SLOTS) as mounted:
-            yield mounted
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+def tier(tier_files: tuple[Path, Path]) -> Iterator[Any]:
+    with mount_tier(*tier_files, latency_ms=LATENCY_MS, slots=SLOTS) as mounted:
+        yield mounted
 
 
 def cold_list(tier: Any, tmp_path: Path, directory: str = "kv", count: int = FILES) -> Path:
     """`count` files on the tier, none fetched yet, and a list of them."""
     (tier.backing / directory).mkdir()
-    for i in range(count):
-        (tier.backing / directory / f"{i:03d}.bin").write_bytes(os.urandom(16 * KiB))
+    write_all((tier.backing / directory / f"{i:03d}.bin" for i in range(count)), 16 * KiB,
+              cold=False)  # the tier's model makes them cold, not the host's page cache
     tier.evict_all()
     listing = tmp_path / f"{directory}.list"
     listing.write_text("".join(f"{tier.mountpoint / directory}/{i:03d}.bin\n"

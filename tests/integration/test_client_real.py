@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvharness.daemon import Daemon
-from kvharness.pagecache import make_file
+from kvharness.files import make_file
 from kvprefetch import AsyncClient, Client
 
 

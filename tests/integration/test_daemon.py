@@ -15,17 +15,15 @@ import msgpack
 import pytest
 
 from kvharness.daemon import Daemon, cpu_seconds, start_cli, write_config
-from kvharness.pagecache import assert_warmed, drops, evict, make_file, pinned, resident_bytes
+from kvharness.files import evict, make_file
+from kvharness.fixtures import balanced, until
+from kvharness.pagecache import assert_warmed, drops, pinned, resident_bytes
 from kvharness.wire import HEADER
 from kvprefetchd.protocol import OUTCOMES as PROTOCOL_OUTCOMES
 from open_audit import OpenAudit
 
 MIB = 1 << 20
 OUTCOMES = set(PROTOCOL_OUTCOMES)  # every outcome name, zeros included
-
-
-def balanced(reply: dict[str, Any]) -> bool:
-    return reply["accepted"] == sum(reply["outcomes"].values())
 
 
 def test_ping_reports_engine_and_workers(daemon: Daemon) -> None:
@@ -77,11 +75,11 @@ def test_wait_warms_cold_heads_then_reports_them_resident(
 def test_resident_check_uses_the_page_cache_not_recent_memory(
     daemon_factory: Any, tmp_path: Path
 ) -> None:
-    d: Daemon = daemon_factory("--engine", "pread")
+    # No dedup memory (dedup_ttl_ms 0): the next answer comes from cachestat.
+    d: Daemon = daemon_factory("--engine", "pread", settings={"dedup_ttl_ms": 0})
     files = [make_file(d.root / f"f{i}.bin", 2 * MIB) for i in range(8)]
     paths = [str(f) for f in files]
     assert d.call("prefetch", paths=paths, wait=True)["outcomes"]["read"] == 8
-    time.sleep(1.2)  # past the dedup memory's TTL: the next answer comes from cachestat
     for f in files:
         evict(f)
     reply = d.call("prefetch", paths=paths, wait=True)
@@ -221,7 +219,9 @@ def test_a_full_queue_drops_instead_of_blocking(daemon_factory: Any, tmp_path: P
         os.kill(pid, signal.SIGCONT)
 
 
-def test_kill_9_of_a_worker_fails_its_files_and_it_comes_back(daemon: Daemon) -> None:
+def test_kill_9_of_a_worker_fails_its_files_and_it_comes_back(daemon_factory: Any) -> None:
+    # No dedup memory (dedup_ttl_ms 0): the files are read again at the end.
+    daemon: Daemon = daemon_factory(settings={"dedup_ttl_ms": 0})
     files = [make_file(daemon.root / f"k{i}.bin", 64 * 1024) for i in range(40)]
     pids = daemon.worker_pids()
     victim = pids[0]
@@ -229,7 +229,7 @@ def test_kill_9_of_a_worker_fails_its_files_and_it_comes_back(daemon: Daemon) ->
     connection = daemon.connect()
     connection.send({"v": 1, "id": 1, "op": "prefetch", "paths": [str(f) for f in files],
                      "wait": True, "timeout_ms": 30_000})
-    time.sleep(0.3)
+    until(lambda: daemon.stats()["files"]["accepted"] == len(files), "the request accepted")
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     reply = connection.recv()
@@ -246,7 +246,6 @@ def test_kill_9_of_a_worker_fails_its_files_and_it_comes_back(daemon: Daemon) ->
     assert stats["worker_restarts"] == 1
     for f in files:
         evict(f)
-    time.sleep(1.1)  # past the dedup TTL
     later = daemon.call("prefetch", paths=[str(f) for f in files], wait=True)
     assert later["outcomes"]["read"] + later["outcomes"]["resident"] == len(files), later
     connection.close()
@@ -274,7 +273,7 @@ def test_sigterm_answers_waiting_requests_exits_0_and_removes_the_socket(
     paths = [str(make_file(daemon.root / f"s{i}.bin", 4096)) for i in range(20)]
     with daemon.connect() as connection:
         connection.send({"v": 1, "id": 3, "op": "prefetch", "paths": paths, "wait": True})
-        time.sleep(0.2)
+        until(lambda: daemon.stats()["files"]["accepted"] == len(paths), "the request accepted")
         started = time.monotonic()
         daemon.process.send_signal(signal.SIGTERM)
         reply = connection.recv()

@@ -23,7 +23,6 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +30,15 @@ import psutil
 import pytest
 
 from kvharness.daemon import Daemon, start_cli
-from kvharness.pagecache import evict, make_file
+from kvharness.files import evict, make_file
+from kvharness.fixtures import balanced, until
 from kvharness.wire import RawConnection
 from kvprefetchd.engines import URING_READ
+from kvprefetchd.listeners.listening import ACCEPT_REST
 from real_eio import real_eio
 
 KIB = 1024
 SETTLED = ("read", "resident", "missing", "rejected", "failed")
-
-
-def balanced(reply: dict[str, Any]) -> bool:
-    return bool(reply["ok"]) and reply["accepted"] == sum(reply["outcomes"].values())
 
 
 def write_config(tmp_path: Path, text: str) -> str:
@@ -59,17 +56,6 @@ def record(tmp_path: Path, name: str, **figures: Any) -> None:
     print(f"\n{name}: {json.dumps(figures, sort_keys=True)}")
 
 
-def eventually(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """Poll until check() is truthy (generous: the host is shared); returns its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
-
-
 def settled_stats(daemon: Daemon) -> dict[str, Any]:
     """Stats once every worker is up and nothing is in flight (fire-and-forget included)."""
 
@@ -81,7 +67,7 @@ def settled_stats(daemon: Daemon) -> dict[str, Any]:
         ready = len(workers) == slots and all(w["ready"] for w in workers)
         return stats if ready and stats["files"]["in_flight"] == 0 else None
 
-    stats: dict[str, Any] = eventually(quiet, "workers ready and nothing in flight")
+    stats: dict[str, Any] = until(quiet, "workers ready and nothing in flight")
     return stats
 
 
@@ -129,7 +115,7 @@ def test_a_worker_hung_in_io_is_killed_by_the_heartbeat_and_replaced(
     assert books_balance(stats) and stats["files"]["failed"] >= outcomes["failed"] + 1
     wedged = [line for line in d.log().splitlines() if "WARNING" in line and "wedged" in line]
     assert len(wedged) == 1 and "killed" in wedged[0] and str(replaced[0]) in wedged[0]
-    eventually(lambda: not psutil.pid_exists(replaced[0]), "the wedged worker reaped")
+    until(lambda: not psutil.pid_exists(replaced[0]), "the wedged worker reaped")
 
     # The new worker serves its shard (HANG.bin is not asked for again).
     again = connection.call("prefetch", paths=files, wait=True, timeout_ms=60_000)
@@ -347,7 +333,7 @@ def test_a_supervisor_out_of_fds_neither_spins_nor_dies_and_recovers(
     def no_fd_to_spare() -> None:
         """Once `held` is the only connection left (the others' closes processed), allow
         the supervisor not one fd more."""
-        eventually(lambda: held.call("stats")["stats"]["connections"] == 1, "one connection")
+        until(lambda: held.call("stats")["stats"]["connections"] == 1, "one connection")
         no_fd_left(supervisor)
 
     no_fd_to_spare()
@@ -355,7 +341,7 @@ def test_a_supervisor_out_of_fds_neither_spins_nor_dies_and_recovers(
         waiting = [RawConnection(d.socket_path) for _ in range(3)]  # in the backlog
         for connection in waiting:
             connection.send({"v": 1, "id": 7, "op": "ping"})
-        time.sleep(1.0)  # two rests of the listener, at least
+        time.sleep(2 * ACCEPT_REST)  # out of fds for two rests of the listener, at least
         assert held.call("ping")["ok"]  # the connections it has are served meanwhile
     finally:
         supervisor.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
@@ -363,13 +349,13 @@ def test_a_supervisor_out_of_fds_neither_spins_nor_dies_and_recovers(
     for connection in waiting:
         assert connection.recv()["ok"]
         connection.close()
-    eventually(lambda: "accepting connections again" in d.log(), "the recovery logged")
+    until(lambda: "accepting connections again" in d.log(), "the recovery logged")
 
     victim = d.worker_pids()[0]
     no_fd_to_spare()
     try:
         os.kill(victim, signal.SIGKILL)
-        eventually(lambda: "cannot respawn" in d.log(), "the failed respawn logged")
+        until(lambda: "cannot respawn" in d.log(), "the failed respawn logged")
         reply = held.call("prefetch", paths=files, wait=True, timeout_ms=30_000)
         assert balanced(reply) and reply["dropped"] > 0, reply
         assert reply["accepted"] + reply["dropped"] == len(files)
@@ -448,7 +434,7 @@ def test_sigterm_lets_requests_in_progress_finish_within_the_drain(
     connection = d.connect()
     connection.send({"v": 1, "id": 5, "op": "prefetch", "paths": files, "wait": True,
                      "timeout_ms": 60_000})
-    eventually(lambda: d.call("stats")["stats"]["files"]["in_flight"] > 0, "work queued")
+    until(lambda: d.call("stats")["stats"]["files"]["in_flight"] > 0, "work queued")
     d.process.send_signal(signal.SIGTERM)
     reply = connection.recv()
     assert reply["id"] == 5 and balanced(reply), reply
@@ -470,10 +456,10 @@ def test_while_draining_new_requests_are_refused_with_a_reply(
         connection = d.connect()
         connection.send({"v": 1, "id": 1, "op": "prefetch", "wait": True, "timeout_ms": 60_000,
                          "paths": [str(make_file(d.root / "w.bin", 4 * KIB))]})
-        eventually(lambda: d.call("stats")["stats"]["files"]["in_flight"] == 1, "queued")
+        until(lambda: d.call("stats")["stats"]["files"]["in_flight"] == 1, "queued")
         d.process.send_signal(signum)
         # The drain begins by closing the listener (and removing the socket file).
-        eventually(lambda: not os.path.exists(d.socket_path), "the socket removed")
+        until(lambda: not os.path.exists(d.socket_path), "the socket removed")
         refused = connection.call("ping")
         assert refused["ok"] is False and refused["error"]["code"] == "overloaded", refused
         assert "shutting down" in refused["error"]["message"]

@@ -11,11 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-from test_tier import daemon_on, make_files, mount
-from test_verbs import ok, start, write
-
-from kvharness.daemon import Daemon
+from kvharness.daemon import Daemon, start_on
+from kvharness.files import make_files, write
+from kvharness.fixtures import mount_tier, ok
 from kvharness.pagecache import Pin, pinned
 
 KiB = 1024
@@ -27,13 +25,6 @@ def probed(daemon: Daemon) -> tuple[int, int]:
             sum(w["probed_missing"] for w in workers))
 
 
-@pytest.fixture
-def kv(tmp_path: Path) -> Path:
-    root = tmp_path / "kv"
-    root.mkdir()
-    return root
-
-
 def test_warm_and_missing_files_are_answered_by_the_probe_alike(tmp_path: Path,
                                                                  kv: Path) -> None:
     hot = [write(kv / f"hot{i}", 64 * KiB) for i in range(200)]
@@ -42,7 +33,7 @@ def test_warm_and_missing_files_are_answered_by_the_probe_alike(tmp_path: Path,
     # The hot heads are read and mlocked for the whole test: the host's reclaimer and
     # other tests' drop_caches cannot take them between this read and the daemon's look.
     with pinned(hot) as pin:
-        daemon = start(tmp_path, kv, dedup_ttl_ms=0)
+        daemon = start_on(tmp_path, kv, read_bytes=64 * KiB, dedup_ttl_ms=0)
         try:
             warm = pin.kept()  # all 200 when mlocked; else the ones the reclaimer left
             first = ok(daemon, "prefetch", paths=hot + cold + absent, wait=True,
@@ -102,7 +93,8 @@ def test_every_spelling_and_every_root_lands_where_the_python_gate_puts_it(
     outer, inner = tmp_path / "kv", tmp_path / "kv" / "deep"
     inner.mkdir(parents=True)
     a, b = write(outer / "a.bin", 4 * KiB), write(inner / "b.bin", 4 * KiB)
-    daemon = start(tmp_path, outer, roots=[str(outer), str(inner)], dedup_ttl_ms=0)
+    daemon = start_on(tmp_path, outer, read_bytes=64 * KiB, roots=[str(outer), str(inner)],
+                      dedup_ttl_ms=0)
     try:
         paths: list[Any] = [a, f"{outer}//a.bin", f"{outer}/./a.bin", b, f"{inner}//b.bin",
                             f"{outer}/deep/../a.bin", "relative", f"{outer}/", str(tmp_path)]
@@ -121,9 +113,9 @@ def test_a_fuse_root_is_never_probed(tmp_path: Path, tier_files: tuple[Path, Pat
     worker's own thread (which a hung tier would stop)."""
     backing, mountpoint = tier_files
     names = make_files(backing, 40, 64 * KiB)
-    with mount(backing, mountpoint, latency_ms=1):
-        daemon = daemon_on(tmp_path, mountpoint, dedup_ttl_ms=0,
-                           residency_by_root={str(mountpoint): "pagecache"})
+    with mount_tier(backing, mountpoint, latency_ms=1):
+        daemon = start_on(tmp_path, mountpoint, read_bytes=256 * KiB, dedup_ttl_ms=0,
+                          residency_by_root={str(mountpoint): "pagecache"})
         try:
             paths = [str(mountpoint / name) for name in names]
             for _ in range(2):
@@ -132,13 +124,6 @@ def test_a_fuse_root_is_never_probed(tmp_path: Path, tier_files: tuple[Path, Pat
             assert probed(daemon) == (0, 0)
         finally:
             daemon.stop()
-
-
-@pytest.fixture
-def tier_files(tmp_path: Path) -> tuple[Path, Path]:
-    (tmp_path / "backing").mkdir()
-    (tmp_path / "mnt").mkdir()
-    return tmp_path / "backing", tmp_path / "mnt"
 
 
 def test_a_symlink_out_of_the_root_to_a_resident_file_is_rejected_never_resident(
@@ -150,7 +135,7 @@ def test_a_symlink_out_of_the_root_to_a_resident_file_is_rejected_never_resident
         handle.read()
     os.symlink(outside, kv / "escape")
     os.symlink("../secret", kv / "dotdot")
-    daemon = start(tmp_path, kv, dedup_ttl_ms=0)
+    daemon = start_on(tmp_path, kv, read_bytes=64 * KiB, dedup_ttl_ms=0)
     try:
         for _ in range(2):
             reply = ok(daemon, "prefetch", paths=[str(kv / "escape"), str(kv / "dotdot")],

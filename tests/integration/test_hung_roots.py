@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-import tiersim
 from kvharness.daemon import Daemon, start_config
+from kvharness.files import write_all
+from kvharness.fixtures import mount_tier
 from kvharness.wire import RawConnection
 from kvprefetchd.engines import URING_READ
 
@@ -29,24 +30,15 @@ HASH = {"algo": "sha256_cbor", "python_hash_seed": "0", "block_size": 16,
 
 
 @pytest.fixture
-def tier(tmp_path: Path) -> Iterator[Any]:
-    backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    mountpoint.mkdir()
-    try:
-        with tiersim.mount(backing, mountpoint, latency_ms=1) as mounted:
-            yield mounted
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+def tier(tier_files: tuple[Path, Path]) -> Iterator[Any]:
+    with mount_tier(*tier_files, latency_ms=1) as mounted:
+        yield mounted
 
 
 def files(directory: Path, count: int, prefix: str = "f") -> list[str]:
-    directory.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        (directory / f"{prefix}{i:03d}.bin").write_bytes(os.urandom(16 * KiB))
-    return [str(directory / f"{prefix}{i:03d}.bin") for i in range(count)]
+    directory.mkdir(parents=True, exist_ok=True)  # made even when count is 0
+    return write_all((directory / f"{prefix}{i:03d}.bin" for i in range(count)), 16 * KiB,
+                     cold=False)
 
 
 def ping_ms(daemon: Daemon) -> float:

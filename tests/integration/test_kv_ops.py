@@ -13,7 +13,8 @@ import pytest
 
 from kv_vectors import CHAIN_FILES, one_group_layout, vector, versions_of
 from kvharness.daemon import Daemon, command
-from kvharness.pagecache import assert_warmed, drops, make_file
+from kvharness.files import make_file
+from kvharness.pagecache import assert_warmed, drops
 from open_audit import OpenAudit
 
 

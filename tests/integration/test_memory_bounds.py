@@ -28,15 +28,9 @@ from bounds_attacks import (
     status_kib,
 )
 from kvharness.daemon import Daemon
+from kvharness.fixtures import until
 
 RSS_BOUND_MIB = 64.0
-
-
-def wait_for(predicate: Any, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
 
 
 def test_a_reply_over_max_output_bytes_is_refused_before_it_is_built(daemon: Daemon) -> None:
@@ -76,7 +70,11 @@ def test_a_client_pipelining_big_replies_it_never_reads_holds_twice_max_output_b
     sender = threading.Thread(target=hog.sock.sendall, args=(requests,), daemon=True)
     with measured(daemon.process.pid, daemon.socket_path) as out:
         sender.start()
-        time.sleep(1.0)  # let it do what it will with them
+        # Until the daemon holds more than max_output_bytes for the hog: from then on it
+        # neither reads nor serves it, so the peak is in (a daemon without the bound built
+        # a reply for every frame it read, in the pass that read them, before it could
+        # answer this `stats`).
+        until(lambda: held_back(daemon), "the hog's replies held back", timeout=60)
     assert out["figures"].peak_mib < RSS_BOUND_MIB, out["figures"]
     for request_id in range(300):
         reply = read_reply(hog.sock)
@@ -84,6 +82,14 @@ def test_a_client_pipelining_big_replies_it_never_reads_holds_twice_max_output_b
         assert len(reply["paths"]) == 8192
     sender.join(10)
     hog.close()
+
+
+def held_back(daemon: Daemon) -> bool:
+    """More output held than one connection's max_output_bytes: a client not reading.
+    (The output bound is 2 x max_output_bytes per connection slot.)"""
+    bounds = daemon.stats()["bounds"]
+    max_output = bounds["output_bytes"]["limit"] // (2 * bounds["connections"]["limit"])
+    return int(bounds["output_bytes"]["size"]) > max_output
 
 
 def test_slowloris_connections_share_one_bounded_input_pool(
@@ -102,7 +108,7 @@ def test_slowloris_connections_share_one_bounded_input_pool(
     assert taken < 100 * MIB, taken / MIB
     assert out["figures"].peak_mib < RSS_BOUND_MIB, out["figures"]
     assert out["figures"].ping_failures == 0, out["figures"]
-    wait_for(lambda: d.call("stats")["stats"]["events"].get("connections_closed_slow", 0) >= 40,
+    until(lambda: d.call("stats")["stats"]["events"].get("connections_closed_slow", 0) >= 40,
              "every trickling connection closed by frame_timeout", timeout=300)
     bounds = d.call("stats")["stats"]["bounds"]
     assert bounds["input_pool_bytes"]["size"] == 0, bounds
@@ -141,7 +147,7 @@ def test_the_stale_detector_forgets_the_least_recent_profile(
         stats = d.call("stats")["stats"]
         return stats["files"]["missing"] == 2000
 
-    wait_for(settled, "every file's outcome recorded")
+    until(settled, "every file's outcome recorded")
     stats = d.call("stats")["stats"]
     assert len(stats["kv"]["stale"]) == 64
     assert stats["bounds"]["stale_profiles"] == {"size": 64, "limit": 64}

@@ -26,7 +26,8 @@ import pytest
 
 from kvharness.attack import ListedRouter, Watch, assert_stops_within
 from kvharness.daemon import Daemon, start_config
-from kvharness.pagecache import evict, make_file, resident_bytes
+from kvharness.files import evict, make_file
+from kvharness.pagecache import resident_bytes
 
 KiB = 1 << 10
 DAY_MS = 86_400_000

@@ -14,12 +14,11 @@ honoured within 6 s).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import pytest
 import tiersim
 from kvharness.attack import ListedRouter, Watch, assert_stops_within
 from kvharness.daemon import Daemon, start_config
+from kvharness.fixtures import mount_tier, start_tier
 
 KiB = 1 << 10
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -58,16 +58,6 @@ def wait_until(done: Callable[[], bool], timeout: float, what: Callable[[], Any]
 def root_stats(daemon: Daemon, index: int = 0) -> dict[str, Any]:
     root: dict[str, Any] = daemon.stats()["roots"][index]
     return root
-
-
-@contextlib.contextmanager
-def fuse_skip() -> Iterator[None]:
-    try:
-        yield
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
 
 
 def test_a_root_removed_and_made_again_is_reopened_and_its_new_files_served(
@@ -143,8 +133,7 @@ def test_a_fuse_root_unmounted_and_mounted_again_is_followed(
 ) -> None:
     backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
     first = [str(mountpoint / Path(p).name) for p in files(backing, 2)]
-    with fuse_skip():
-        tier = tiersim.Tier(backing, mountpoint, tiersim.TierOptions(latency_ms=1)).start()
+    tier = start_tier(backing, mountpoint, latency_ms=1)
     again: tiersim.Tier | None = None
     daemon = start_config(tmp_path, {"roots": [str(mountpoint)], "workers": 2,
                                      "log_level": "info", **listed_router.settings()})
@@ -177,7 +166,7 @@ def test_a_root_hung_at_start_delays_neither_ready_nor_another_root(
     backing.mkdir()
     healthy = tmp_path / "healthy"
     present = files(healthy, 3)
-    with fuse_skip(), tiersim.mount(backing, mountpoint, latency_ms=1) as tier:
+    with mount_tier(backing, mountpoint, latency_ms=1) as tier:
         tier.hold("stat", "/")  # the root's own getattr never answers: its walk hangs
         started = time.monotonic()
         daemon = start_config(tmp_path, {"roots": [str(mountpoint), str(healthy)],

@@ -33,10 +33,10 @@ from typing import Any
 
 import pytest
 
-import tiersim
 from kvharness.attack import ListedRouter, Watch, assert_stops_within
 from kvharness.daemon import Daemon, start_config
-from kvharness.pagecache import evict
+from kvharness.files import write_all
+from kvharness.fixtures import mount_tier
 
 KiB = 1 << 10
 HUNG = 6                 # files behind the hung mount; 6 names reach both workers' shards
@@ -55,30 +55,17 @@ def hung_tier(tmp_path: Path) -> Iterator[tuple[Path, Any, list[str]]]:
     (backing / "hung").mkdir(parents=True)
     for i in range(HUNG):
         (backing / "hung" / f"h{i:02d}.bin").write_bytes(os.urandom(16 * KiB))
-    try:
-        with tiersim.mount(backing, root / "tier", entry_timeout=3600,
-                           attr_timeout=3600) as tier:
-            hung = [str(root / "tier" / "hung" / f"h{i:02d}.bin") for i in range(HUNG)]
-            for path in hung:
-                os.stat(path)  # dentries and attributes cached: a cached walk reaches them
-            yield root, tier, hung
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+    with mount_tier(backing, root / "tier", entry_timeout=3600, attr_timeout=3600) as tier:
+        hung = [str(root / "tier" / "hung" / f"h{i:02d}.bin") for i in range(HUNG)]
+        for path in hung:
+            os.stat(path)  # dentries and attributes cached: a cached walk reaches them
+        yield root, tier, hung
 
 
 def healthy_files(root: Path, count: int) -> list[str]:
     """Files of the root's own file system, not in the page cache."""
-    directory = root / "kv"
-    directory.mkdir()
-    paths = []
-    for i in range(count):
-        path = directory / f"f{i:04d}.bin"
-        path.write_bytes(os.urandom(16 * KiB))
-        evict(path)
-        paths.append(str(path))
-    return paths
+    (root / "kv").mkdir()
+    return write_all((root / "kv" / f"f{i:04d}.bin" for i in range(count)), 16 * KiB)
 
 
 def call(daemon: Daemon, op: str, **fields: Any) -> dict[str, Any]:

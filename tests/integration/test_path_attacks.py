@@ -52,7 +52,7 @@ import msgpack
 import pytest
 
 from kvharness.daemon import Daemon, start_cli
-from kvharness.pagecache import make_file
+from kvharness.files import make_file
 from kvharness.wire import RawConnection, frame
 from open_audit import OpenAudit
 from strace_audit import (

@@ -24,7 +24,7 @@ import pytest
 
 from kv_vectors import vector
 from kvharness.daemon import Daemon, start_config, write_config
-from kvharness.pagecache import make_file
+from kvharness.files import make_file
 
 BEHAVIOUR = vector("prefetch_plugin_behaviour.json")
 RESIDENCY_CASES = BEHAVIOUR["residency_cases"]

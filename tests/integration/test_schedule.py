@@ -12,19 +12,18 @@ request's `wait` reply comes, how many files of the other requests are still uns
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import tiersim
 from kvharness.daemon import Daemon, start_config
+from kvharness.files import write_all
+from kvharness.fixtures import mount_tier, until
 from kvharness.wire import RawConnection
 
 KiB = 1 << 10
@@ -33,25 +32,15 @@ IN_FLIGHT = 4  # per worker: the tier serves all 8 at once, the rest wait in the
 
 
 @pytest.fixture
-def tier(tmp_path: Path) -> Iterator[Any]:
-    backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    mountpoint.mkdir()
-    try:
-        with tiersim.mount(backing, mountpoint, latency_ms=LATENCY_MS) as mounted:
-            yield mounted
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+def tier(tier_files: tuple[Path, Path]) -> Iterator[Any]:
+    with mount_tier(*tier_files, latency_ms=LATENCY_MS) as mounted:
+        yield mounted
 
 
 def cold(tier: Any, directory: str, count: int) -> list[str]:
     """`count` files of 16 KiB on the tier under `directory`, none fetched yet."""
-    (tier.backing / directory).mkdir()
-    block = os.urandom(16 * KiB)
-    for i in range(count):
-        (tier.backing / directory / f"{i:04d}.bin").write_bytes(block)
+    write_all((tier.backing / directory / f"{i:04d}.bin" for i in range(count)), 16 * KiB,
+              cold=False)  # the tier's model makes them cold, not the host's page cache
     tier.evict_all()
     return [f"{tier.mountpoint}/{directory}/{i:04d}.bin" for i in range(count)]
 
@@ -66,13 +55,6 @@ def warm(daemon: Daemon, paths: list[str], wait: bool = True) -> dict[str, Any]:
 
 def unsettled(daemon: Daemon) -> int:
     return int(daemon.stats()["files"]["in_flight"])
-
-
-def wait_until(what: str, test: Any, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not test():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -105,7 +87,7 @@ def test_a_bulk_run_from_another_client_does_not_hold_the_router_back(
     replies: list[dict[str, Any]] = []
     waiting = threading.Thread(target=lambda: replies.append(warm(daemon, router)))
     waiting.start()
-    wait_until("the router's files queued", lambda: unsettled(daemon) >= 150)
+    until(lambda: unsettled(daemon) >= 150, "the router's files queued")
     # Newer than the router's request, from another process: without turns between
     # clients it would go first, all 600 files of it.
     cli = subprocess.run([sys.executable, "-m", "kvprefetch", "--socket",

@@ -12,60 +12,25 @@ from __future__ import annotations
 
 import os
 import socket
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import tiersim
-from kvharness.daemon import Daemon, start_config
+from kvharness.daemon import Daemon, start_on
+from kvharness.files import make_files
+from kvharness.fixtures import mount_tier, ok
 from kvharness.wire import RawConnection
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
-@pytest.fixture
-def tier_files(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A backing directory and a mount point for the simulator."""
-    backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    mountpoint.mkdir()
-    yield backing, mountpoint
-
-
-def make_files(backing: Path, count: int, size: int, folder: str = "m") -> list[str]:
-    """Files of real data (the tier's bytes), as the fs connector lays them out in folders."""
-    names = []
-    block = os.urandom(size)
-    for i in range(count):
-        relative = f"{folder}/{i % 16:02x}/{i:05d}.bin"
-        (backing / relative).parent.mkdir(parents=True, exist_ok=True)
-        (backing / relative).write_bytes(block)
-        names.append(relative)
-    return names
-
-
-def mount(backing: Path, mountpoint: Path, **options: Any) -> Any:
-    try:
-        return tiersim.mount(backing, mountpoint, **options)
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
-
-
 def daemon_on(workdir: Path, mountpoint: Path, **settings: Any) -> Daemon:
-    return start_config(workdir, {"roots": [str(mountpoint)], "workers": 2,
-                                  "read_bytes": 256 * KiB, "log_level": "debug", **settings})
+    return start_on(workdir, mountpoint, read_bytes=256 * KiB, log_level="debug", **settings)
 
 
 def warm(daemon: Daemon, paths: list[str], **fields: Any) -> dict[str, Any]:
-    with RawConnection(daemon.socket_path, 300) as connection:
-        reply: dict[str, Any] = connection.call("prefetch", paths=paths, wait=True, **fields)
-    assert reply["ok"], reply
-    return reply
+    return ok(daemon, "prefetch", timeout=300, paths=paths, wait=True, **fields)
 
 
 def test_reads_in_flight_grow_past_a_fixed_pool_on_a_tier_that_rewards_them(
@@ -73,7 +38,7 @@ def test_reads_in_flight_grow_past_a_fixed_pool_on_a_tier_that_rewards_them(
 ) -> None:
     backing, mountpoint = tier_files
     names = make_files(backing, 600, 512 * KiB)
-    with mount(backing, mountpoint, latency_ms=50) as tier:
+    with mount_tier(backing, mountpoint, latency_ms=50) as tier:
         daemon = daemon_on(tmp_path, mountpoint, residency_by_root={str(mountpoint): "off"})
         try:
             tier.evict_all()
@@ -94,7 +59,7 @@ def test_a_slot_capped_tier_keeps_its_slots_full_and_no_more(
 ) -> None:
     backing, mountpoint = tier_files
     names = make_files(backing, 400, 256 * KiB)
-    with mount(backing, mountpoint, latency_ms=20, slots=16) as tier:
+    with mount_tier(backing, mountpoint, latency_ms=20, slots=16) as tier:
         daemon = daemon_on(tmp_path, mountpoint, residency_by_root={str(mountpoint): "off"})
         try:
             tier.evict_all()
@@ -117,8 +82,9 @@ def test_the_tier_rule_reads_st_blocks_end_to_end(
     backing, mountpoint = tier_files
     names = make_files(backing, 40, 512 * KiB)
     paths = [str(mountpoint / name) for name in names]
-    with mount(backing, mountpoint, latency_ms=5) as tier:
-        daemon = daemon_on(tmp_path, mountpoint)
+    with mount_tier(backing, mountpoint, latency_ms=5) as tier:
+        # No dedup memory (dedup_ttl_ms 0): every answer below is the rule's.
+        daemon = daemon_on(tmp_path, mountpoint, dedup_ttl_ms=0)
         try:
             root = daemon.stats()["roots"][0]
             assert (root["fstype"], root["rule"]) == ("fuse.tiersim", "tier"), root
@@ -126,12 +92,10 @@ def test_the_tier_rule_reads_st_blocks_end_to_end(
             assert all(os.stat(path).st_blocks == 0 for path in paths)  # stubs
             assert warm(daemon, paths)["outcomes"]["read"] == 40
             assert all(os.stat(path).st_blocks > 0 for path in paths)
-            time.sleep(1.1)  # past the dedup memory (dedup_ttl_ms): the rule answers
             tier.reset_stats()
             assert warm(daemon, paths)["outcomes"]["resident"] == 40
             assert tier.stats().fetches == 0  # st_blocks said so: nothing read
             tier.evict(mountpoint / "m")
-            time.sleep(1.1)
             assert warm(daemon, paths)["outcomes"]["read"] == 40
             assert tier.stats().fetches == 40
         finally:
@@ -145,7 +109,7 @@ def test_a_worker_waiting_on_a_slow_tier_is_heard_and_never_killed(
     but the worker says it is alive while they are out: progress, not wedged."""
     backing, mountpoint = tier_files
     names = make_files(backing, 12, 64 * KiB)
-    with mount(backing, mountpoint, latency_ms=400, slots=1) as tier:
+    with mount_tier(backing, mountpoint, latency_ms=400, slots=1) as tier:
         daemon = daemon_on(tmp_path, mountpoint, workers=1, worker_timeout=2,
                            residency_by_root={str(mountpoint): "off"})
         try:
@@ -167,7 +131,7 @@ def test_a_hung_part_of_the_tier_holds_neither_the_worker_nor_the_other_files(
     backing, mountpoint = tier_files
     hung = make_files(backing, 20, 64 * KiB, folder="hung")
     healthy = make_files(backing, 200, 64 * KiB, folder="fine")
-    with mount(backing, mountpoint, latency_ms=10) as tier:
+    with mount_tier(backing, mountpoint, latency_ms=10) as tier:
         daemon = daemon_on(tmp_path, mountpoint, workers=1, file_timeout=3,
                            worker_timeout=60, residency_by_root={str(mountpoint): "off"})
         try:

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import ssl
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,9 @@ import pytest
 
 from kvharness.certs import CA, Issued, issue, make_ca, server_cert
 from kvharness.daemon import Daemon, start_config, write_config
-from kvharness.pagecache import evict, resident_bytes
+from kvharness.files import write_all
+from kvharness.fixtures import until
+from kvharness.pagecache import resident_bytes
 from kvprefetch import AsyncClient, Client
 from kvprefetch.errors import ConnectFailed, ConnectionClosed, KVPrefetchError, ServerError
 
@@ -88,15 +89,7 @@ def tls_daemon(tmp_path: Path, certs: Certs) -> Any:
 
 
 def make_files(daemon: Daemon, count: int) -> list[str]:
-    paths = []
-    for i in range(count):
-        path = daemon.root / f"f{i}.bin"
-        path.write_bytes(os.urandom(8192))
-        paths.append(str(path))
-    os.sync()
-    for path in paths:
-        evict(path, sync=False)
-    return paths
+    return write_all((daemon.root / f"f{i}.bin" for i in range(count)), 8192)
 
 
 def test_an_allowed_router_gets_the_protocol(tls_daemon: Any, certs: Certs) -> None:
@@ -161,7 +154,9 @@ def test_connections_per_address_are_capped(tmp_path: Path, certs: Certs) -> Non
         with pytest.raises(KVPrefetchError):
             Client(f"tls://127.0.0.1:{port}", ssl_context=context, timeout=5).ping()
         held[0].close()
-        time.sleep(0.2)
+        # The slot comes back once the daemon has seen the close: left, the other TLS
+        # client and the connection asking.
+        until(lambda: daemon.stats()["connections"] <= 2, "the closed connection dropped")
         with Client(f"tls://127.0.0.1:{port}", ssl_context=context) as again:
             assert again.ping().protocol == 1  # the slot came back
         for client in held:
@@ -187,14 +182,16 @@ def test_reload_refuses_a_bad_certificate_and_cuts_a_dropped_identity(
             write_config(tmp_path / "kvprefetchd.toml", {**config, "socket": str(
                 daemon.socket_path), "log_level": "warning", "tls_cert_file": str(broken)})
             os.kill(daemon.process.pid, signal.SIGHUP)
-            wait_for(lambda: daemon.stats()["events"].get("tls_reload_refused", 0) == 1)
+            until(lambda: daemon.stats()["events"].get("tls_reload_refused", 0) == 1,
+                  "the bad certificate refused")
             with Client(address, ssl_context=context) as fresh:
                 assert fresh.ping().protocol == 1  # the old certificate still serves
             kept.ping()
             write_config(tmp_path / "kvprefetchd.toml", {**config, "socket": str(
                 daemon.socket_path), "log_level": "warning", "tls_allowed_clients": ["x"]})
             os.kill(daemon.process.pid, signal.SIGHUP)
-            wait_for(lambda: daemon.stats()["events"].get("peers_revoked", 0) == 1)
+            until(lambda: daemon.stats()["events"].get("peers_revoked", 0) == 1,
+                  "the dropped identity cut")
             with pytest.raises(KVPrefetchError):
                 kept.ping()
     finally:
@@ -236,13 +233,6 @@ def leaves_memory_and_fds_flat(daemon: Daemon, address: str, certs: Certs) -> No
     print(f"supervisor before {before}, after {after}")
     assert after["open_fds"] == before["open_fds"]
     assert after["rss_bytes"] < before["rss_bytes"] * 1.10, (before, after)
-
-
-def wait_for(condition: Any, timeout: float = 10.0) -> None:
-    give_up = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < give_up, "condition never held"
-        time.sleep(0.05)
 
 
 def test_unloadable_tls_files_stop_the_daemon_at_start_leaving_no_socket(

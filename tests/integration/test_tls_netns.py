@@ -21,7 +21,8 @@ import pytest
 from kvharness import netns
 from kvharness.certs import issue, make_ca, server_cert
 from kvharness.daemon import Daemon, launch, write_config
-from kvharness.pagecache import assert_warmed, drops, evict, residency, resident_bytes
+from kvharness.files import write
+from kvharness.pagecache import assert_warmed, drops, residency, resident_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = "spiffe://cluster.local/ns/llm-d/sa/router"
@@ -72,11 +73,7 @@ def in_router_ns(hosts: dict[str, Any], code: str, *args: str) -> subprocess.Com
 
 
 def make_file(daemon: Daemon, name: str) -> str:
-    path = daemon.root / name
-    path.write_bytes(os.urandom(8192))
-    os.sync()
-    evict(path, sync=False)
-    return str(path)
+    return write(daemon.root / name, 8192)
 
 
 def test_the_go_client_fans_out_to_the_gateway_and_the_node(hosts: dict[str, Any]) -> None:

@@ -15,36 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tier import daemon_on, make_files, mount
 
-from kvharness.daemon import Daemon, start_config
-from kvharness.pagecache import evict, pinned, resident_bytes
+from kvharness.daemon import Daemon, start_on
+from kvharness.files import make_files, write
+from kvharness.fixtures import call, mount_tier, ok
+from kvharness.pagecache import pinned, resident_bytes
 from kvharness.wire import RawConnection
 
 KiB, MiB = 1 << 10, 1 << 20
 TWO_DAYS = 2 * 86400
-
-
-def call(daemon: Daemon, op: str, **fields: Any) -> dict[str, Any]:
-    with RawConnection(daemon.socket_path, 120) as connection:
-        reply: dict[str, Any] = connection.call(op, **fields)
-    return reply
-
-
-def ok(daemon: Daemon, op: str, **fields: Any) -> dict[str, Any]:
-    reply = call(daemon, op, **fields)
-    assert reply["ok"], reply
-    return reply
-
-
-def write(path: Path, size: int) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as handle:
-        handle.write(os.urandom(size))
-        handle.flush()
-        os.fsync(handle.fileno())
-    evict(path)
-    return str(path)
 
 
 def age_atime(path: str) -> float:
@@ -53,24 +32,9 @@ def age_atime(path: str) -> float:
     return os.stat(path).st_atime
 
 
-@pytest.fixture
-def tier_files(tmp_path: Path) -> tuple[Path, Path]:
-    """A backing directory and a mount point for the simulator (as test_tier.py)."""
-    (tmp_path / "backing").mkdir()
-    (tmp_path / "mnt").mkdir()
-    return tmp_path / "backing", tmp_path / "mnt"
-
-
-@pytest.fixture
-def kv(tmp_path: Path) -> Path:
-    root = tmp_path / "kv"
-    root.mkdir()
-    return root
-
-
 def start(tmp_path: Path, kv: Path, **settings: Any) -> Daemon:
-    return start_config(tmp_path, {"roots": [str(kv)], "workers": 2, "read_bytes": 64 * KiB,
-                                   **settings})
+    return start_on(tmp_path, kv, read_bytes=64 * KiB, **settings)
+
 
 
 def test_a_wait_reply_names_every_file_not_warmed_and_why(tmp_path: Path, kv: Path) -> None:
@@ -129,9 +93,9 @@ def test_a_worker_that_dies_names_its_files_lost(tmp_path: Path,
                                                 tier_files: tuple[Path, Path]) -> None:
     backing, mountpoint = tier_files
     names = make_files(backing, 6, 64 * KiB, folder="held")
-    with mount(backing, mountpoint, latency_ms=1) as tier:
-        daemon = daemon_on(tmp_path, mountpoint, workers=1,
-                           residency_by_root={str(mountpoint): "off"})
+    with mount_tier(backing, mountpoint, latency_ms=1) as tier:
+        daemon = start_on(tmp_path, mountpoint, read_bytes=256 * KiB, workers=1,
+                          residency_by_root={str(mountpoint): "off"})
         try:
             tier.evict_all()
             with tier.hang("read", "/held/"), RawConnection(daemon.socket_path, 60) as waiting:
@@ -195,10 +159,11 @@ def test_expired_files_take_no_fetch_slot_on_a_slow_tier(
     backing, mountpoint = tier_files
     names = make_files(backing, 40, 256 * KiB)
     paths = [str(mountpoint / name) for name in names]
-    with mount(backing, mountpoint, latency_ms=100) as tier:
-        daemon = daemon_on(tmp_path, mountpoint, residency_by_root={str(mountpoint): "off"},
-                           default_deadline_ms=350, workers=1, initial_depth=2,
-                           max_in_flight=2)
+    with mount_tier(backing, mountpoint, latency_ms=100) as tier:
+        daemon = start_on(tmp_path, mountpoint, read_bytes=256 * KiB,
+                          residency_by_root={str(mountpoint): "off"},
+                          default_deadline_ms=350, workers=1, initial_depth=2,
+                          max_in_flight=2)
         try:
             tier.evict_all()
             tier.reset_stats()

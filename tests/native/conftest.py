@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import tiersim
+from kvharness.fixtures import mount_tier
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -79,18 +79,13 @@ def hung_beneath(root: Root, tmp_path: Path) -> Iterator[Any]:
     (backing / "hung").mkdir(parents=True)
     for i in range(3):
         write_file(backing / "hung" / f"f{i}", 16 * KiB)
-    try:
-        with tiersim.mount(backing, root.path / "tier", entry_timeout=3600,
-                           attr_timeout=3600) as tier:
-            for i in range(3):
-                os.stat(root.path / "tier" / "hung" / f"f{i}")
-            tier.hold("stat", "/hung/")
-            tier.reset_stats()
-            try:
-                yield tier
-            finally:
-                tier.release()
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+    with mount_tier(backing, root.path / "tier", entry_timeout=3600,
+                    attr_timeout=3600) as tier:
+        for i in range(3):
+            os.stat(root.path / "tier" / "hung" / f"f{i}")
+        tier.hold("stat", "/hung/")
+        tier.reset_stats()
+        try:
+            yield tier
+        finally:
+            tier.release()

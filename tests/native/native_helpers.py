@@ -322,3 +322,32 @@ class Child:
         while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
             assert time.monotonic() < deadline, f"child {self.pid} is still held"
             time.sleep(0.05)
+
+
+NOBODY = 65534
+
+
+def as_nobody(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run fn in a forked child that dropped to nobody; its result via a pipe."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "child failed (traceback above)"
+    result: dict[str, Any] = json.loads(out)
+    return result

@@ -10,45 +10,14 @@ child that drops to nobody; descriptors are opened by root and inherited.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from native_helpers import Batch, Ctx, MiB, write_file
+from native_helpers import Batch, Ctx, MiB, as_nobody, write_file
 
 from kvharness.pagecache import pinned
 from kvprefetchd._native import lib
-
-NOBODY = 65534
-
-
-def _as_nobody(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run fn in a forked child that dropped to nobody; its result via a pipe."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)
-            os.write(w, json.dumps(fn()).encode())
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "child failed (traceback above)"
-    result: dict[str, Any] = json.loads(out)
-    return result
 
 
 def test_non_owner_never_sees_a_false_resident(root) -> None:
@@ -72,7 +41,7 @@ def test_non_owner_never_sees_a_false_resident(root) -> None:
         # resident", whatever the host's reclaimer does meanwhile.
         with pinned([path]) as pin:
             pin.require_all()
-            got = _as_nobody(child)
+            got = as_nobody(child)
     finally:
         os.close(fd)
     # mincore would say 2 MiB whatever the truth: refused

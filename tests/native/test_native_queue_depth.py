@@ -19,6 +19,7 @@ import pytest
 from native_helpers import Batch, KiB, new_queue, open_root, write_file
 
 import tiersim
+from kvharness.fixtures import require_fuse
 from kvprefetchd._native import ffi, lib
 
 FILES = 160
@@ -46,12 +47,7 @@ def mountpoint(tmp_path: Path) -> Path:
 def tier_of(backing: Path, mountpoint: Path) -> Iterator[Any]:
     def mount(slots: int) -> Any:
         return tiersim.mount(backing, mountpoint, latency_ms=LATENCY_MS, slots=slots)
-    try:
-        tiersim.check_fuse()
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+    require_fuse()
     yield mount
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from native_helpers import OUTCOMES, Batch, KiB, new_queue, open_root, write_file
 
-import tiersim
+from kvharness.fixtures import mount_tier
 from kvprefetchd._native import ffi, lib
 
 HOLD_S = 2.0  # the gate's read: the root's service time once it returns
@@ -34,17 +34,12 @@ def gated(tmp_path: Path) -> Iterator[tuple[Any, Path]]:
         write_file(backing / name, 16 * KiB)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    try:
-        with tiersim.mount(backing, mountpoint) as tier:
-            tier.hold("read", "/gate/")
-            try:
-                yield tier, mountpoint
-            finally:
-                tier.release()
-    except tiersim.FuseUnavailable as error:  # pragma: no cover - CI requires FUSE
-        if tiersim.fuse_required():
-            raise
-        pytest.skip(str(error))
+    with mount_tier(backing, mountpoint) as tier:
+        tier.hold("read", "/gate/")
+        try:
+            yield tier, mountpoint
+        finally:
+            tier.release()
 
 
 class Queue:

@@ -19,6 +19,7 @@ from native_helpers import (
     Ctx,
     KiB,
     MiB,
+    as_nobody,
     assert_warm,
     evict,
     new_queue,
@@ -26,7 +27,6 @@ from native_helpers import (
     run_queue,
     write_file,
 )
-from test_native_nonowner import _as_nobody
 
 from kvharness.pagecache import pinned
 from kvprefetchd._native import ffi, lib
@@ -175,7 +175,7 @@ def test_noatime_falls_back_to_a_counted_plain_read_for_a_non_owner(root) -> Non
         outcome = ctx.run_batch(batch)[0].outcome
         return {"outcome": outcome, "fallbacks": lib.kvp_noatime_fallbacks() - before}
 
-    assert _as_nobody(child) == {"outcome": "READ", "fallbacks": 1}
+    assert as_nobody(child) == {"outcome": "READ", "fallbacks": 1}
 
 
 def states_of(got: list[tuple[str, str, int, int, int]]) -> list[tuple[str, str]]:
