@@ -14,7 +14,8 @@ dedup_ttl_ms = 0 (so every file pays the real residency check), under each resid
   vmtouch process (wait4) per file; `vs_vmtouch` = daemon CPU per file / head vmtouch's.
   And the attribution: the worker's native probe alone (kvprefetchd.probe.Prober, the
   call a worker makes, in this process on the same requests' names): the rest of the
-  workers' CPU is Python and the channel;
+  workers' CPU is Python and the channel. With --syscalls, the workers' syscalls per
+  file in one more pass (perf stat), a figure the host's load does not move;
 - sustained: fire-and-forget requests of --chunk paths offered at --rate files/s for
   --seconds, paced by the clock on one connection: files accepted and dropped (from the
   acks), the rate the daemon settled them at (from its stats, until nothing is in flight),
@@ -40,7 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +61,7 @@ TARGETS = {"daemon_cpu_us_per_file": 8.0, "supervisor_cpu_us_per_path": 3.0,
 WARMUP_SHARE = 0.1  # of the memory phase's paths, before RSS is judged
 DEDUP_ENTRIES = 4096  # per worker, in the memory phase
 RULES = ("pagecache", "tier")
+PERF_ACK_TIMEOUT = 10.0  # seconds for perf to attach and acknowledge a control command
 
 
 def make_set(base: Path, files: int, size: int) -> list[str]:
@@ -123,6 +127,54 @@ def probe_cpu(paths: Sequence[str], args: argparse.Namespace, rule: str) -> tupl
     return spent, resident
 
 
+def syscalls_per_file(daemon: Daemon, pids: Sequence[int], paths: Sequence[str],
+                      args: argparse.Namespace) -> float | None:
+    """Syscalls the workers make per file in one more wait pass, counted by `perf stat`
+    (raw_syscalls:sys_enter) on the worker processes: a figure the host's load does not
+    move, unlike CPU time (issue 25). An extra pass, outside the CPU figures: the
+    tracepoint costs the workers CPU. perf starts with its events off and is switched on
+    and off through its control fifo, each command acknowledged, so the count holds that
+    pass exactly. None without --syscalls, or where perf is missing or may not attach."""
+    if not args.syscalls or shutil.which("perf") is None:
+        return None
+    ctl, ack, out = args.out / "perf-ctl", args.out / "perf-ack", args.out / "perf-syscalls.csv"
+    for fifo in (ctl, ack):
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo)
+    perf = subprocess.Popen(["perf", "stat", "-x", ",", "-e", "raw_syscalls:sys_enter", "-D",
+                             "-1", "--control", f"fifo:{ctl},{ack}", "-p",
+                             ",".join(map(str, pids)), "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # O_RDWR: opening a FIFO so never blocks, even if perf never opens its end.
+    control, acked = os.open(ctl, os.O_RDWR), os.open(ack, os.O_RDWR)
+
+    def command(word: str) -> bool:
+        os.write(control, word.encode() + b"\n")
+        if not select.select([acked], [], [], PERF_ACK_TIMEOUT)[0]:
+            return False  # perf could not attach, or exited
+        return os.read(acked, 64).strip(b"\0\n ") == b"ack"  # perf 6.1 sends "ack\n\0"
+
+    try:
+        if not command("enable"):
+            return None
+        with daemon.connect(120) as connection:
+            for at in range(0, len(paths), args.wait_paths):
+                connection.call_ok("prefetch", paths=list(paths[at:at + args.wait_paths]),
+                                   wait=True)
+        if not command("disable"):
+            return None
+    finally:
+        os.close(control)
+        os.close(acked)
+        perf.send_signal(signal.SIGINT)  # perf writes its counts and exits
+        perf.wait(30)
+    for line in out.read_text().splitlines():
+        fields = line.split(",")
+        if len(fields) > 2 and fields[2] == "raw_syscalls:sys_enter" and fields[0].isdigit():
+            return round(int(fields[0]) / len(paths), 2)
+    return None
+
+
 def per_file(seconds: float, files: int) -> float:
     return round(seconds / files * 1e6, 2)
 
@@ -155,6 +207,7 @@ def phase_wait(daemon: Daemon, pids: Sequence[int], paths: Sequence[str],
             if peer and not rep % 2:
                 head += vmtouch_cpu(list_file, args.size, log)
                 whole += vmtouch_cpu(list_file, None, log)
+    syscalls = syscalls_per_file(daemon, pids, paths, args)
     probe, probe_found = probe_cpu(paths, args, rule)
     files = len(paths) * args.reps
     daemon_us = per_file(sup + wrk, files)
@@ -170,6 +223,7 @@ def phase_wait(daemon: Daemon, pids: Sequence[int], paths: Sequence[str],
         "vmtouch_head_cpu_us_per_file": vmtouch_us,
         "vmtouch_whole_cpu_us_per_file": per_file(whole, files) if peer else None,
         "vs_vmtouch": round(daemon_us / vmtouch_us, 3) if vmtouch_us else None,
+        "workers_syscalls_per_file": syscalls,
         "outcomes": {k: v for k, v in outcomes.items() if v},
     }
 
@@ -330,9 +384,9 @@ def summary(results: dict[str, Any]) -> list[str]:
              "CPU per file <= 0.6 x vmtouch's (head, same files, same run; page-cache rule).",
              "",
              "| rule | wait: daemon CPU us/file | supervisor | workers | probe alone "
-             "| vmtouch head | whole | x vmtouch | wall us/file "
+             "| vmtouch head | whole | x vmtouch | syscalls/file | wall us/file "
              "| sustained: offered/s | dropped | settled/s | CPU us/file |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rule, figures in results["rules"].items():
         wait, sus = figures["wait"], figures["sustained"]
         lines.append(f"| {rule} | {wait['daemon_cpu_us_per_file']} | "
@@ -341,6 +395,7 @@ def summary(results: dict[str, Any]) -> list[str]:
                      f"{wait.get('vmtouch_head_cpu_us_per_file', '')} | "
                      f"{wait.get('vmtouch_whole_cpu_us_per_file', '')} | "
                      f"{wait.get('vs_vmtouch', '')} | "
+                     f"{wait.get('workers_syscalls_per_file') or ''} | "
                      f"{wait['wall_us_per_file']} | {sus['achieved_offer_per_s']} | "
                      f"{sus['dropped']} | {sus['settled_files_per_s']} | "
                      f"{sus['daemon_cpu_us_per_file']} |")
@@ -382,12 +437,16 @@ def argv_of(table: dict[str, Any], base: Path, out: Path) -> list[str]:
         raise ValueError(f"[hot] has unknown keys {sorted(unknown)}")
     argv = ["--base", str(base), "--out", str(out)]
     for key, value in table.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):  # a switch: present or not
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
     return argv
 
 
 HOT_KEYS = {"files", "size", "reps", "wait_paths", "rate", "chunk", "seconds", "distinct",
-            "memory_files"}
+            "memory_files", "syscalls"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -403,6 +462,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="distinct paths for the memory phase (0: no memory phase)")
     parser.add_argument("--memory-files", type=int, default=100_000,
                         help="real 4 KiB files among them (each once)")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="count the workers' syscalls per file in one more pass (perf)")
     parser.add_argument("--base", type=Path, default=Path("/var/tmp/kvbench"))
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
