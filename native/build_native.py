@@ -13,7 +13,7 @@ dependency, so touching internal.h rebuilds it.
 liburing: a tiny program is compiled and linked against -luring; if that
 works the extension is built with -DKVP_HAVE_LIBURING and linked with uring,
 otherwise without (the io_uring engines then fail kvp_ctx_new with ENOSYS and
-kvp_engine_probe says "built without liburing").  KVP_NO_LIBURING=1 in the
+kvp_engine_detect says "built without liburing").  KVP_NO_LIBURING=1 in the
 environment forces the latter.
 """
 

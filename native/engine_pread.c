@@ -44,7 +44,7 @@ static int fadvise_warm(const struct kvp_ctx *c, struct kvp_item *it, int fd, ui
     return kvp_read_head(c, it, fd, span, buf);
 }
 
-/* Neither has a probe: pread(2) and posix_fadvise(2) are nothing a kernel or
+/* Neither has a detect: pread(2) and posix_fadvise(2) are nothing a kernel or
  * seccomp profile that runs the daemon at all refuses. */
 const struct kvp_engine kvp_engine_pread = {
     .name = "pread",

@@ -3,7 +3,7 @@
  * chunks, queue_depth in flight) and io_uring/advise (IORING_OP_FADVISE
  * WILLNEED, then the confirm of advise.c).  The ring is made once per
  * context and reused for every batch.  The only file that knows liburing:
- * built without it, both engines say so from probe and refuse setup (ENOSYS).
+ * built without it, both engines say so from detect and refuse setup (ENOSYS).
  */
 #include "internal.h"
 
@@ -24,7 +24,7 @@
  * at once" measured no better (bench/c/uring_heads.c -d 0; see its header). */
 #define KVP_URING_PER_FILE 1
 
-static int uring_probe(char *why, size_t whylen)
+static int uring_detect(char *why, size_t whylen)
 {
     const char *msg = "built without liburing";
     int ok = 0;
@@ -342,7 +342,7 @@ static int uring_advise_setup(struct kvp_ctx *c) { return uring_setup(c, 0); }
 const struct kvp_engine kvp_engine_uring_read = {
     .name = "io_uring",
     .warm_mode = "read",
-    .probe = uring_probe,
+    .detect = uring_detect,
     .setup = uring_read_setup,
     .run = uring_read,
     .teardown = uring_teardown,
@@ -351,7 +351,7 @@ const struct kvp_engine kvp_engine_uring_read = {
 const struct kvp_engine kvp_engine_uring_fadvise = {
     .name = "io_uring",
     .warm_mode = "advise",
-    .probe = uring_probe,
+    .detect = uring_detect,
     .setup = uring_advise_setup,
     .run = uring_advise,
     .teardown = uring_teardown,

@@ -28,19 +28,19 @@
 #include <string.h>
 #include <unistd.h>
 
-static struct kvp_ctx probed;  /* only have_openat2 / have_proc are used */
-static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
+static struct kvp_ctx features;  /* only have_openat2 / have_proc are used */
+static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
 
-static void probe(void)
+static void detect(void)
 {
-    kvp_open_probe(&probed);
-    probed.no_xdev = 1;
+    kvp_open_detect(&features);
+    features.no_xdev = 1;
 }
 
 void kvp_inspect_force_fallback(int32_t which)
 {
-    pthread_once(&probe_once, probe);
-    kvp_ctx_force_fallback(&probed, which);
+    pthread_once(&detect_once, detect);
+    kvp_ctx_force_fallback(&features, which);
 }
 
 /* The item's lookup outcome (KVP_OUT_*) as a check state. */
@@ -76,7 +76,7 @@ static void inspect_one(int32_t action, const struct kvp_item *in, struct kvp_in
     struct stat st;
     memset(out, 0, sizeof *out);
     it.flags = 0;
-    int fd = kvp_item_lookup(&probed, &it, &st);
+    int fd = kvp_item_lookup(&features, &it, &st);
     if (fd < 0) {
         out->state = state_of(it.outcome);
         out->err = it.err;
@@ -84,7 +84,7 @@ static void inspect_one(int32_t action, const struct kvp_item *in, struct kvp_in
     }
     out->size = (uint64_t)st.st_size;
     uint64_t span = MIN(out->size, it.read_bytes);
-    if ((fd = kvp_item_reopen(&probed, fd, &it, &st)) < 0) {
+    if ((fd = kvp_item_reopen(&features, fd, &it, &st)) < 0) {
         out->state = fd == -ENOENT || fd == -ENOTDIR ? KVP_CHK_MISSING
                      : fd == -ESTALE ? KVP_CHK_REJECTED : KVP_CHK_FAILED;
         out->err = -fd;
@@ -117,7 +117,7 @@ static void inspect_one(int32_t action, const struct kvp_item *in, struct kvp_in
 void kvp_inspect(int32_t action, const struct kvp_item *items, struct kvp_inspect_out *out,
                  size_t n)
 {
-    pthread_once(&probe_once, probe);
+    pthread_once(&detect_once, detect);
     for (size_t i = 0; i < n; i++) {
         if (action < KVP_INSPECT_CHECK || action > KVP_INSPECT_EVICT_FILE) {
             memset(&out[i], 0, sizeof out[i]);

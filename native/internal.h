@@ -50,11 +50,11 @@ struct kvp_ctx {
 
 /*
  * An engine, in the manner of fio's ioengines: one const instance per engine,
- * listed in prefetch.c's table (kvp_engines, kvp_engine_probe).  Two kinds, as
+ * listed in prefetch.c's table (kvp_engines, kvp_engine_detect).  Two kinds, as
  * fio's sync and async: a batch engine (run; kvp_ctx_new, kvp_run_batch) or a
  * queue engine (warm; kvp_queue_new: queue.c's persistent threads call warm
  * for each file they have opened).  Only name, warm_mode and one of run or
- * warm are required.  The context calls probe (kvp_engine_probe), then, for a
+ * warm are required.  The context calls detect (kvp_engine_detect), then, for a
  * batch engine, per context, setup once, run once per batch, teardown once
  * (also after a failed setup).
  */
@@ -63,7 +63,7 @@ struct kvp_engine {
     const char *warm_mode;  /* kvp_config.warm_mode: "read" or "advise" */
     /* 1 when it can run here, else 0 and why (NUL-terminated, at most whylen
      * bytes, whylen > 0).  NULL: it can always run. */
-    int (*probe)(char *why, size_t whylen);
+    int (*detect)(char *why, size_t whylen);
     /* ---- a batch engine ---- */
     /* Validate the cfg fields only this engine reads and make c->engine_data
      * (cfg is already validated and clamped otherwise): 0 or an errno. */
@@ -110,7 +110,7 @@ static inline int settle(struct kvp_item *it, int outcome, int err)
 
 /* ---- open.c ------------------------------------------------------------- */
 /* Probe openat2 and /proc once, for c->have_openat2 and c->have_proc. */
-void kvp_open_probe(struct kvp_ctx *c);
+void kvp_open_detect(struct kvp_ctx *c);
 /* Open, classify and check one item: a read fd and *span (the bytes to warm:
  * min(st_size, read_bytes)), or -1 when the item is settled (RESIDENT /
  * MISSING / REJECTED / FAILED). */

@@ -94,7 +94,7 @@ size_t kvp_engines(struct kvp_engine_name *out, size_t n);
 /* 1 when the engine can run here; 0 otherwise with a human reason written to
  * why (NUL-terminated, at most whylen bytes): e.g. io_uring refused by the
  * kernel or seccomp, "built without liburing", or an unknown engine. */
-int kvp_engine_probe(const char *engine, const char *warm_mode, char *why, size_t whylen);
+int kvp_engine_detect(const char *engine, const char *warm_mode, char *why, size_t whylen);
 
 struct kvp_config {
     const char *engine;     /* a batch engine of the table (kvp_engines), e.g. "io_uring" */

@@ -28,7 +28,7 @@
 #define SYS_openat2 437
 #endif
 
-void kvp_open_probe(struct kvp_ctx *c)
+void kvp_open_detect(struct kvp_ctx *c)
 {
     struct statfs sf;
     /* Probe openat2 once: ENOSYS before 5.6, ENOSYS or EPERM under some seccomp filters. */

@@ -72,7 +72,7 @@ size_t kvp_engines(struct kvp_engine_name *out, size_t n)
     return KVP_NENGINES;
 }
 
-int kvp_engine_probe(const char *engine, const char *warm_mode, char *why, size_t whylen)
+int kvp_engine_detect(const char *engine, const char *warm_mode, char *why, size_t whylen)
 {
     char none[1];
     const struct kvp_engine *e = kvp_engine_lookup(engine, warm_mode);
@@ -83,8 +83,8 @@ int kvp_engine_probe(const char *engine, const char *warm_mode, char *why, size_
                  warm_mode ? warm_mode : "(null)");
         return 0;
     }
-    if (e->probe)
-        return e->probe(why, whylen);
+    if (e->detect)
+        return e->detect(why, whylen);
     why[0] = '\0';
     return 1;
 }
@@ -123,7 +123,7 @@ struct kvp_ctx *kvp_ctx_new(const struct kvp_config *cfg, int *err)
         c->cfg.max_open = (uint32_t)MIN((rlim_t)c->cfg.max_open, room);
     }
     c->cfg.threads = MIN(c->cfg.threads, c->cfg.max_open);
-    kvp_open_probe(c);
+    kvp_open_detect(c);
     c->scratch_len = (size_t)c->cfg.threads * c->cfg.chunk;
     c->scratch = mmap(NULL, c->scratch_len, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);

@@ -132,10 +132,10 @@ struct kvp_prober *kvp_prober_new(void)
     struct kvp_prober *p = calloc(1, sizeof *p);
     if (!p)
         return NULL;
-    kvp_open_probe(&p->base);
+    kvp_open_detect(&p->base);
     p->proc_fd = -1;
     if (p->base.have_proc) {
-        /* Must really be procfs, as kvp_open_probe checks for the absolute path. */
+        /* Must really be procfs, as kvp_open_detect checks for the absolute path. */
         struct statfs sf;
         int fd = open("/proc/self/fd", O_PATH | O_DIRECTORY | O_CLOEXEC);
         if (fd >= 0 && fstatfs(fd, &sf) == 0 && sf.f_type == PROC_SUPER_MAGIC) {

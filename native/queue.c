@@ -438,7 +438,7 @@ struct kvp_queue *kvp_queue_new(const struct kvp_queue_config *cfg, int *err)
     q->base.cfg.chunk = cfg->chunk;
     /* An advise engine's WILLNEED says what to read: no FADV_RANDOM (open.c) under it. */
     q->base.cfg.fadv_random = cfg->fadv_random && strcmp(engine->warm_mode, "advise") != 0;
-    kvp_open_probe(&q->base);
+    kvp_open_detect(&q->base);
     q->across = q->base;
     q->base.no_xdev = 1;
     q->lane.cap = cfg->other_mount_threads ? cfg->other_mount_threads

@@ -62,7 +62,7 @@ class Native:
     def engine_unavailable(self, engine: str, warm_mode: str) -> str | None:
         """None when the C table's (engine, warm mode) can run here, else why not."""
         why = self.ffi.new("char[]", 256)
-        if self.lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, len(why)):
+        if self.lib.kvp_engine_detect(engine.encode(), warm_mode.encode(), why, len(why)):
             return None
         return self._text(why)
 

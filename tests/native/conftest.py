@@ -28,7 +28,7 @@ def canary(tmp_path: Path) -> Iterator[None]:
 
 @pytest.fixture(params=list(ENGINES))
 def engine(request: pytest.FixtureRequest) -> str:
-    """Every row of C's engine table; one that cannot run here skips with kvp_engine_probe's
+    """Every row of C's engine table; one that cannot run here skips with kvp_engine_detect's
     reason (io_uring refused by the kernel or seccomp, or a build without liburing)."""
     name: str = request.param
     why = engine_unavailable(*ENGINES[name][:2])

@@ -66,9 +66,9 @@ ENGINES = _engines_to_test()
 
 
 def engine_unavailable(engine: str, warm_mode: str) -> str | None:
-    """None when the engine can run here, else kvp_engine_probe's reason."""
+    """None when the engine can run here, else kvp_engine_detect's reason."""
     why = ffi.new("char[]", 256)
-    if lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, len(why)):
+    if lib.kvp_engine_detect(engine.encode(), warm_mode.encode(), why, len(why)):
         return None
     return ffi.string(why).decode(errors="replace")
 

@@ -2,7 +2,7 @@
 engines by warm mode name, and the names read from the header instead of copied.
 
 Real native contexts throughout; an engine that cannot run is a real one too: a table row
-naming an engine C does not have, which kvp_engine_probe and kvp_ctx_new really refuse.
+naming an engine C does not have, which kvp_engine_detect and kvp_ctx_new really refuse.
 """
 
 from __future__ import annotations

@@ -49,14 +49,14 @@ def test_the_engine_table_lists_every_engine_once() -> None:
 @pytest.mark.parametrize(("engine", "warm_mode", "queued"), TABLE)
 def test_engine_probe_reports_a_reason(engine: str, warm_mode: str, queued: bool) -> None:
     why = ffi.new("char[]", 128)
-    ok = lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, 128)
+    ok = lib.kvp_engine_detect(engine.encode(), warm_mode.encode(), why, 128)
     text = ffi.string(why).decode()
     assert (ok == 1 and text == "") or (ok == 0 and text), text
     # A tiny buffer is never overrun, and no buffer at all is allowed.
     small = ffi.new("char[]", 4)
-    assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), small, 4) == ok
+    assert lib.kvp_engine_detect(engine.encode(), warm_mode.encode(), small, 4) == ok
     assert len(ffi.string(small)) <= 3
-    assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), ffi.NULL, 0) == ok
+    assert lib.kvp_engine_detect(engine.encode(), warm_mode.encode(), ffi.NULL, 0) == ok
     if queued:  # pread(2) and posix_fadvise(2): nothing here refuses them
         assert ok == 1
 
@@ -81,7 +81,7 @@ def test_each_kind_is_made_by_its_own_constructor(engine: str, warm_mode: str,
 )
 def test_an_unknown_engine_is_refused(engine: str, warm_mode: str) -> None:
     why = ffi.new("char[]", 128)
-    assert lib.kvp_engine_probe(engine.encode(), warm_mode.encode(), why, 128) == 0
+    assert lib.kvp_engine_detect(engine.encode(), warm_mode.encode(), why, 128) == 0
     assert f"no engine {engine} with warm mode {warm_mode}" == ffi.string(why).decode()
     for make in (new_ctx, new_queue):
         with pytest.raises(OSError) as refused:
@@ -91,8 +91,8 @@ def test_an_unknown_engine_is_refused(engine: str, warm_mode: str) -> None:
 
 def test_a_null_engine_name_is_refused() -> None:
     why = ffi.new("char[]", 128)
-    assert lib.kvp_engine_probe(ffi.NULL, b"read", why, 128) == 0
-    assert lib.kvp_engine_probe(b"io_uring", ffi.NULL, why, 128) == 0
+    assert lib.kvp_engine_detect(ffi.NULL, b"read", why, 128) == 0
+    assert lib.kvp_engine_detect(b"io_uring", ffi.NULL, why, 128) == 0
     cfg = ffi.new("struct kvp_config *", {"chunk": 65536, "max_open": 8, "threads": 1})
     err = ffi.new("int *")
     assert lib.kvp_ctx_new(cfg, err) == ffi.NULL

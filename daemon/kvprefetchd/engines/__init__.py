@@ -2,7 +2,7 @@
 
 Each engine is named by what it is called (ping, stats, the config) and the warm mode
 it implements, and is a row of C's one engine table (native/prefetch.c, listed by
-kvp_engines), which also says of each whether it can run here (kvp_engine_probe) and
+kvp_engines), which also says of each whether it can run here (kvp_engine_detect) and
 which kind it is: pread/read and fadvise/advise run in the asynchronous queue
 (native/queue.c: persistent threads whose reads in flight follow each root's file
 system, engines/queue.py), io_uring/read and io_uring/advise in batches (BatchEngine).
@@ -17,7 +17,7 @@ parallel where a ring's submitter opens one file after another), and on a slow t
 only a depth that follows the tier keeps it busy (issue 13: a fixed 16 threads per
 worker left 100 ms fetches 6-7x slower than the best pool).
 
-The supervisor probes once and logs why an engine is passed over; each worker
+The supervisor detects once and logs why an engine is passed over; each worker
 then builds the first candidate that works for it, so a ring refused inside a
 worker (seccomp, a memory limit) degrades to the fallback instead of failing
 the boot. Warm modes travel by name ("read", "advise"): `engine_candidates`
@@ -50,7 +50,7 @@ class EngineSpec:
     warm_mode: str
 
     def unavailable_reason(self) -> str | None:
-        """None when this engine can run here, else why not (kvp_engine_probe)."""
+        """None when this engine can run here, else why not (kvp_engine_detect)."""
         try:
             native = load_native()
         except NativeUnavailable as error:
