@@ -14,7 +14,9 @@
  * hundreds of threads only queue behind the device.  So each root gets its own
  * depth, moved by depthctl.c from the service time of its reads; which of a
  * root's waiting files starts next is schedule.c's choice (clients in turn, the
- * deadlines that can still be met, then the newest request).
+ * deadlines that can still be met, then the newest request).  A request's files
+ * with a deadline are judged on arrival (schedule.c): those that cannot be read
+ * in time settle EXPIRED at once, the others start without waiting for depth.
  *
  * A root that hangs (a dead tier) keeps the threads it holds, but those reads
  * stop counting against its depth once they have been running longer than the
@@ -128,10 +130,11 @@ static struct qroot *root_of(struct kvp_queue *q, int fd)
     return r;
 }
 
-/* May the root start another read?  Stalled reads hold threads, not depth. */
+/* May the root start another read?  Stalled reads hold threads, not depth; files
+ * with a deadline, admitted on arrival, are not held by it (schedule.c). */
 static int root_ready(const struct qroot *r)
 {
-    return r->npending > 0 && r->running - r->stalled < kvp_depth_limit(&r->depth);
+    return kvp_sched_ready(r);
 }
 
 /* The next file to start, taking the roots in turn; NULL when none may start. */
@@ -306,6 +309,10 @@ static void serve(struct kvp_queue *q, int lane)
         uint32_t *stalled = lane ? &l->stalled : &r->stalled;
         (*running)++;
         q->busy += !lane;
+        if (!lane && qi->it.deadline_ns > 0) {
+            qi->timed_live = 1;
+            r->timed_live++;
+        }
         qi->started = now_ns();
         kvp_list_push(&q->running, qi);
         if (lane)
@@ -322,6 +329,10 @@ static void serve(struct kvp_queue *q, int lane)
         kvp_list_unlink(&q->running, qi);
         (*running)--;
         q->busy -= !lane;
+        if (qi->timed_live) {
+            qi->timed_live = 0;
+            r->timed_live--;
+        }
         if (qi->stalled)
             (*stalled)--;
         /* Only reads that did I/O tell the depth anything: a resident check or
@@ -486,6 +497,10 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
 {
     int64_t t = now_ns();
     struct spawn sp = { 0, 0 };
+    /* A request's files (one group, one deadline, one root) are judged together,
+     * by the first of them: schedule.c's admission. */
+    struct judged { int root_fd; uint32_t client, group; int64_t deadline; int admit; };
+    struct judged last = { .root_fd = -1 };
     pthread_mutex_lock(&q->mu);
     for (size_t i = 0; i < n; i++) {
         size_t len = items[i].rel ? strlen(items[i].rel) : 0;
@@ -507,6 +522,19 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
         qi->seq = q->seq++;
         struct qroot *r = root_of(q, items[i].root_fd);
         qi->root = (uint16_t)(r - q->roots);
+        if (qi->it.deadline_ns > 0) {
+            if (items[i].root_fd != last.root_fd || qi->it.client != last.client
+                || qi->it.group != last.group || qi->it.deadline_ns != last.deadline
+                || qi->it.group == 0)
+                last = (struct judged){ items[i].root_fd, qi->it.client, qi->it.group,
+                                        qi->it.deadline_ns,
+                                        kvp_sched_admit(r, qi->it.deadline_ns, t) };
+            if (!last.admit) {  /* cannot be read in time: expired now, unread */
+                settle(&qi->it, KVP_OUT_EXPIRED, 0);
+                done_push(q, qi);
+                continue;
+            }
+        }
         q->deadlines += qi->it.deadline_ns > 0;
         kvp_sched_push(r, qi);
     }
@@ -615,6 +643,10 @@ void kvp_queue_tick(struct kvp_queue *q)
                    && t - qi->started > kvp_depth_stall_ns(&r->depth)) {
             qi->stalled = 1;  /* holds its thread, no longer its root's depth */
             r->stalled++;
+            if (qi->timed_live) {
+                qi->timed_live = 0;
+                r->timed_live--;
+            }
             q->stalls++;
             freed = 1;
         }

@@ -34,6 +34,7 @@ struct kvp_depth {
     int64_t floor_ns;      /* the fastest fetch remembered: the tier's own latency */
     double best_served;    /* the most reads the tier served at once lately (decaying) */
     int trusted;           /* a remote root, started at the depth its profile gave */
+    int64_t read_ns;       /* a read's time, averaged per read (0.7/0.3): admission's */
 };
 
 void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max);
@@ -49,6 +50,9 @@ void kvp_depth_sample(struct kvp_depth *d, int64_t service_ns, uint32_t in_fligh
  * root's depth, so a hung tier cannot hold every slot. */
 int64_t kvp_depth_stall_ns(const struct kvp_depth *d);
 int64_t kvp_depth_rtt_ns(const struct kvp_depth *d);
+/* A read's time lately, moved by every read (not once a window): what a file asked
+ * for now waits, the tier's queue included (schedule.c's admission; 0: none yet). */
+int64_t kvp_depth_read_ns(const struct kvp_depth *d);
 
 /* ---- queue.c ------------------------------------------------------------ */
 struct qitem {
@@ -61,6 +65,7 @@ struct qitem {
     uint8_t abandoned;       /* settled by timeout; its thread frees it */
     uint8_t other_mount;     /* behind another mount beneath its root: the other-mount lane's */
     uint8_t client;          /* its client's slot in its root (schedule.c) */
+    uint8_t timed_live;      /* running, with a deadline, not stalled: in its root's timed_live */
     int held_fd;             /* KVP_ITEM_HOLD: the fd a READ kept open for the reaper, else -1 */
     struct qitem *next, *prev;
     char rel[];
@@ -88,6 +93,8 @@ struct qroot {
     uint32_t nclients, turn; /* clients seen; the one whose turn is next */
     uint32_t npending;       /* files waiting for a thread and depth, all clients */
     uint32_t running, stalled;
+    uint32_t ntimed;         /* of npending, files with a deadline (admitted: schedule.c) */
+    uint32_t timed_live;     /* of running - stalled, reads of files with a deadline */
     struct kvp_depth depth;
 };
 
@@ -128,7 +135,13 @@ void kvp_list_push(struct qlist *l, struct qitem *it);
 void kvp_list_unlink(struct qlist *l, struct qitem *it);
 void kvp_sched_push(struct qroot *r, struct qitem *qi);
 void kvp_sched_unlink(struct qroot *r, struct qitem *qi);
-/* The next file of r to start at `now` (r->npending > 0), off its list. */
+/* May a file of r with a deadline at deadline_ns, submitted at now, wait for a read?
+ * 0: it cannot be read in time; the caller settles it EXPIRED at once. */
+int kvp_sched_admit(const struct qroot *r, int64_t deadline_ns, int64_t now);
+/* May r start a read now: a file with a deadline waits (those go uncapped), or
+ * one without does and the reads without one leave room under the depth. */
+int kvp_sched_ready(const struct qroot *r);
+/* The next file of r to start at `now` (kvp_sched_ready(r)), off its list. */
 struct qitem *kvp_sched_take(struct qroot *r, int64_t now);
 
 #pragma GCC visibility pop

@@ -12,14 +12,28 @@
  *   is who sent the request (the supervisor's number for a Unix peer's process or
  *   a TCP peer's address); the first KVP_QUEUE_MAX_CLIENTS a root sees are kept
  *   apart, later ones share the last slot.
+ * - A request's files with a deadline are judged when they arrive, all at once
+ *   (they share the request's deadline): when a read takes longer on the root
+ *   now (an average moved by every read, the tier's own queue included:
+ *   depthctl.c's read_ns) than is left to the deadline, none of them is read:
+ *   they settle EXPIRED at once and the request is left to its consumer, taking
+ *   no read ahead of a request that can still make it.  When none of the root's
+ *   reads is out and none waits, they go through whatever the average says, so
+ *   it cannot stay stale.  On an overloaded tier this is what counts: the queue that decides
+ *   is the tier's own, first come, first served, shared with the consumers, and
+ *   a read taken by a doomed request is a slot lost to one that can still be
+ *   warm in time (bench/replay_bound.py models it; docs/bench/replay.md).
+ * - The files that went through are read at once, not held behind the root's
+ *   depth: on a first-come, first-served tier, entering early is what counts,
+ *   and the admission already bounds them.  The depth (depthctl.c) caps the
+ *   reads without a deadline only.
  * - Within a client, files with a deadline go first, earliest deadline first,
  *   but only those that can still be read in time: one whose deadline is nearer
- *   than a read takes on the root now (the last window's mean: depthctl.c)
- *   would be late however soon it started, so every file that can still make
- *   it goes before it.  The mean, not the tier's fastest fetch: where other
- *   readers queue in the tier too, a file judged by the fastest fetch is read
- *   first (its deadline is nearest) and is late all the same, and so, in turn,
- *   is the file that waited for it (measured: docs/bench/replay.md).
+ *   than a read takes on the root now would be late however soon it started, so
+ *   every file that can still make it goes before it.  The mean, not the tier's
+ *   fastest fetch: where other readers queue in the tier too, a file judged by
+ *   the fastest fetch is read first (its deadline is nearest) and is late all
+ *   the same, and so, in turn, is the file that waited for it.
  * - Then the files without a deadline, the newest request first and each
  *   request's files in their own order: the newest request is the one whose
  *   consumer is furthest from reading.  Group 0 (a caller that names no request)
@@ -133,10 +147,12 @@ void kvp_sched_push(struct qroot *r, struct qitem *qi)
 {
     struct qclient *c = client_of(r, qi->it.client);
     qi->client = (uint8_t)(c - r->clients);
-    if (deadline_of(qi) > 0)
+    if (deadline_of(qi) > 0) {
         push_timed(c, qi);
-    else
+        r->ntimed++;
+    } else {
         push_untimed(c, qi);
+    }
     r->npending++;
 }
 
@@ -150,6 +166,23 @@ void kvp_sched_unlink(struct qroot *r, struct qitem *qi)
         c->newest = prev && deadline_of(prev) == 0 && prev->it.group == c->group ? prev : NULL;
     kvp_list_unlink(&c->pending, qi);
     r->npending--;
+    r->ntimed -= deadline_of(qi) > 0;
+}
+
+int kvp_sched_admit(const struct qroot *r, int64_t deadline_ns, int64_t now)
+{
+    int64_t read_ns = kvp_depth_read_ns(&r->depth);
+    if (now + read_ns <= deadline_ns)
+        return 1;
+    return r->running - r->stalled == 0 && r->ntimed == 0;  /* nothing out: let it through */
+}
+
+int kvp_sched_ready(const struct qroot *r)
+{
+    if (r->ntimed > 0)
+        return 1;
+    return r->npending > 0
+           && r->running - r->stalled - r->timed_live < kvp_depth_limit(&r->depth);
 }
 
 /* The client's next file: the earliest deadline it can still meet; else the
@@ -168,13 +201,17 @@ static struct qitem *pick(struct qclient *c, int64_t now, int64_t service_ns)
 struct qitem *kvp_sched_take(struct qroot *r, int64_t now)
 {
     int64_t service_ns = kvp_depth_rtt_ns(&r->depth);
+    /* At the depth, only files with a deadline start (a timed prefix: last_timed). */
+    int capped = r->running - r->stalled - r->timed_live >= kvp_depth_limit(&r->depth);
     for (uint32_t k = 0; k < r->nclients; k++) {
         uint32_t i = (r->turn + k) % r->nclients;
         struct qclient *c = &r->clients[i];
-        if (c->pending.n == 0)
+        if (c->pending.n == 0 || (capped && !c->last_timed))
             continue;
         r->turn = (i + 1) % r->nclients;
         struct qitem *qi = pick(c, now, service_ns);
+        if (capped && deadline_of(qi) == 0)
+            qi = c->pending.head;  /* every timed file is late: the earliest */
         kvp_sched_unlink(r, qi);
         return qi;
     }

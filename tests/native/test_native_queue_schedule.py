@@ -157,3 +157,74 @@ def test_without_groups_or_clients_the_queue_is_first_come_first_served(
     finally:
         os.close(root_fd)
     assert order == ["gate/g", *files("a"), *files("b"), *files("c")], order
+
+
+def test_a_request_that_cannot_make_its_deadline_is_not_read_one_that_can_is_read_in_full(
+        gated: tuple[Any, Path]) -> None:
+    """Judged on arrival against the root's read time (HOLD_S, from the gate's read): a
+    request due sooner settles EXPIRED at once, unread; one due later starts all its files
+    at once, past the root's depth, while a file without a deadline waits for it."""
+    tier, mountpoint = gated
+    root_fd = open_root(mountpoint)
+    queue = new_queue(initial_depth=1, max_threads=8)
+    depth = 0
+    out = ffi.new("struct kvp_done[]", 64)
+    names: list[str] = []
+    settled: dict[str, tuple[str, int]] = {}
+    batches: list[Batch] = []
+
+    def submit(rels: Sequence[str], group: int, deadline_ns: int = 0) -> None:
+        batch = Batch(root_fd, rels, 4 * KiB)
+        for item in batch.items[0:batch.n]:
+            item.group, item.client, item.deadline_ns = group, 1, deadline_ns
+        batches.append(batch)
+        tags = ffi.new("uint64_t[]", list(range(len(names), len(names) + batch.n)))
+        names.extend(rels)
+        assert lib.kvp_queue_submit(queue, batch.items, tags, batch.n) == batch.n
+
+    def reap(tick: bool = True) -> None:
+        if tick:
+            lib.kvp_queue_tick(queue)
+        for k in range(lib.kvp_queue_reap(queue, out, 64)):
+            settled[names[out[k].tag]] = (OUTCOMES[out[k].outcome], out[k].done)
+
+    def stats() -> Any:
+        figures = ffi.new("struct kvp_queue_stats *")
+        lib.kvp_queue_stats(queue, figures)
+        return figures
+
+    def until(check: Any, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not check():
+            assert time.monotonic() < deadline, (what, settled, stats().running)
+            reap()
+            time.sleep(0.01)
+
+    try:
+        submit(["gate/g"], group=1)  # the gate's read sets the root's read time: HOLD_S
+        until(lambda: stats().running == 1, "the gate's read started")
+        time.sleep(HOLD_S)
+        tier.release()
+        until(lambda: "gate/g" in settled, "the gate's read returned")
+        assert stats().root_rtt_us[0] >= HOLD_S * 0.9e6
+        depth = stats().root_depth[0]  # its least: MIN_DEPTH (depthctl.c)
+        assert 1 <= depth <= 3
+        tier.hold("read", "/files/")
+        submit(files("a")[:depth], group=2)  # reads out, as many as the depth: not idle
+        until(lambda: stats().running == depth, "a's reads started")
+        now = time.monotonic_ns()
+        submit(files("c"), group=3, deadline_ns=now + int(HOLD_S / 2 * 1e9))
+        reap(tick=False)  # settled by the submit itself, not by a sweep
+        assert {name: settled.get(name) for name in files("c")} == {
+            name: ("EXPIRED", 0) for name in files("c")}
+        submit(files("b"), group=4, deadline_ns=now + 60 * 10**9)
+        submit(["files/d0"], group=5)  # no deadline: held by the depth
+        until(lambda: stats().running == depth + 3, "b's reads started past the depth")
+        assert stats().root_depth[0] == depth and stats().pending == 1
+        tier.release()
+        until(lambda: len(settled) == len(names), "everything settled")
+    finally:
+        tier.release()
+        os.close(root_fd)
+    read = [*files("a")[:depth], *files("b"), "files/d0"]
+    assert {name: settled[name][0] for name in read} == dict.fromkeys(read, "READ")

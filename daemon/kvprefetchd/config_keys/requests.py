@@ -33,8 +33,9 @@ LIMITS = Section("request limits", (
 VERBS = Section("deadlines, failures, check and evict", (
     Key("default_deadline_ms", INT, 0, bounds=(0, 86_400_000), help="""
         A warm request without deadline_ms / deadline_unix_ms of its own gets this one: a
-        file whose deadline passed before its read was issued is settled `expired`, unread
-        (no fetch slot taken on a slow tier). 0: no deadline."""),
+        file whose deadline passed before its read was issued, or was nearer on arrival
+        than a read takes on its root (docs/protocol.md, Order), is settled `expired`,
+        unread (no fetch slot taken on a slow tier). 0: no deadline."""),
     Key("max_failures_listed", INT, 4096, bounds=(0, 1_000_000), help="""
         Replies list at most this many files that were not warmed (`failures`); a request
         may ask for fewer (max_failures, default 100)."""),
