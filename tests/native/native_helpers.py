@@ -313,41 +313,32 @@ class Child:
         self._read = -1
         return json.loads(text) if text else None
 
-    def reap(self, seconds: float = 30.0) -> None:
-        """Wait for the child to exit (it may need a released file system first)."""
+    def reap(self, seconds: float = 30.0) -> int:
+        """Wait for the child to exit (it may need a released file system first); its
+        exit code."""
         if self._read >= 0:
             os.close(self._read)
             self._read = -1
         deadline = time.monotonic() + seconds
-        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+        while (waited := os.waitpid(self.pid, os.WNOHANG)) == (0, 0):
             assert time.monotonic() < deadline, f"child {self.pid} is still held"
             time.sleep(0.05)
+        return os.waitstatus_to_exitcode(waited[1])
 
 
 NOBODY = 65534
 
 
-def as_nobody(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run fn in a forked child that dropped to nobody; its result via a pipe."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)
-            os.write(w, json.dumps(fn()).encode())
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "child failed (traceback above)"
-    result: dict[str, Any] = json.loads(out)
+def as_nobody(fn: Callable[[], dict[str, Any]], seconds: float = 120.0) -> dict[str, Any]:
+    """Run fn in a forked child (Child) that dropped to nobody first; its result."""
+    def dropped() -> dict[str, Any]:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+        return fn()
+
+    child = Child(dropped)
+    result = child.result(seconds)
+    assert child.reap(seconds) == 0, "child failed (traceback above)"
+    assert isinstance(result, dict), result
     return result
