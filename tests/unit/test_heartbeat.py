@@ -25,7 +25,8 @@ from kvprefetchd.metrics.histogram import FILE_BUCKETS, Histogram
 from kvprefetchd.roots.rootset import RootSet
 from kvprefetchd.roots.scout import Scout
 from kvprefetchd.supervisor.books import Books, Waiter
-from kvprefetchd.supervisor.pool import WorkerHandle, WorkerPool
+from kvprefetchd.supervisor.handle import WorkerHandle
+from kvprefetchd.supervisor.pool import WorkerPool
 from kvprefetchd.supervisor.stuck import Stuck
 from kvprefetchd.worker.loop import Worker
 from kvprefetchd.worker.plan import WorkerPlan

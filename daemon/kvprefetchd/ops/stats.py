@@ -30,7 +30,8 @@ from kvprefetchd.ops.kvservice import KVService
 from kvprefetchd.roots.rootset import RootSet
 from kvprefetchd.roots.scout import Scout
 from kvprefetchd.supervisor.books import Books
-from kvprefetchd.supervisor.pool import WorkerHandle, WorkerPool
+from kvprefetchd.supervisor.handle import WorkerHandle
+from kvprefetchd.supervisor.pool import WorkerPool
 from kvprefetchd.supervisor.stuck import Stuck
 from kvprefetchd.worker.holds import RELEASES
 

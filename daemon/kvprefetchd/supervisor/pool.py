@@ -45,7 +45,7 @@ from kvprefetchd.supervisor.plans import engines_by_mode, worker_plan
 from kvprefetchd.supervisor.stuck import Stuck
 from kvprefetchd.worker.process import EXIT_BOOT_FAILED, worker_main
 
-__all__ = ["HaltError", "WorkerHandle", "WorkerPool"]
+__all__ = ["HaltError", "WorkerPool"]
 
 log = logging.getLogger("kvprefetchd")
 
