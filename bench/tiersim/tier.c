@@ -107,13 +107,18 @@ static void reply_data(fuse_req_t req, uint64_t fsize, int fd, off_t off, size_t
     /* Splice moves the backing file's pages into /dev/fuse without a copy
      * through this process (libfuse fuse_send_data_iov); it needs
      * FUSE_CAP_SPLICE_WRITE, negotiated in INIT. */
-    int res = fuse_reply_data(req, &buf, g.cfg.splice ? FUSE_BUF_SPLICE_MOVE : FUSE_BUF_NO_SPLICE);
     uint64_t end = (uint64_t)off + size;
     uint64_t bytes = (uint64_t)off >= fsize ? 0 : (end < fsize ? end : fsize) - (uint64_t)off;
-    if (res == 0) {
-        __atomic_fetch_add(&g.n.reads, 1, __ATOMIC_RELAXED);
-        __atomic_fetch_add(&g.n.read_bytes, bytes, __ATOMIC_RELAXED);
-    } else {
+    /* Counted before the reply: once the reader has its data, a stats query
+     * it sends next must see the read (counting after left a window where the
+     * consumer finished but read_bytes was one reply short).  A failed reply
+     * takes its count back. */
+    __atomic_fetch_add(&g.n.reads, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&g.n.read_bytes, bytes, __ATOMIC_RELAXED);
+    int res = fuse_reply_data(req, &buf, g.cfg.splice ? FUSE_BUF_SPLICE_MOVE : FUSE_BUF_NO_SPLICE);
+    if (res != 0) {
+        __atomic_fetch_sub(&g.n.reads, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_sub(&g.n.read_bytes, bytes, __ATOMIC_RELAXED);
         __atomic_fetch_add(&g.n.read_errors, 1, __ATOMIC_RELAXED);
     }
 }
