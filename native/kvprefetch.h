@@ -257,6 +257,8 @@ struct kvp_probe_root {
     int32_t fd;         /* the root's O_PATH directory fd; -1: not open (never probed) */
     int32_t residency;  /* KVP_RES_*: OFF roots are never probed (every file is read) */
     int32_t local;      /* kvp_probe_root_local(fd) */
+    int32_t view;       /* kvp_nodev_view(fd): the page-cache rule opens each file once
+                           beneath it; -1: none, the O_PATH check and the /proc reopen */
 };
 struct kvp_prober;
 struct kvp_prober *kvp_prober_new(void);  /* NULL: out of memory */
@@ -268,6 +270,13 @@ void kvp_prober_force_fallback(struct kvp_prober *p, int32_t which);
 /* 1 when root_fd's own file system is answered by this kernel alone (ext2/3/4,
  * xfs, btrfs, f2fs, tmpfs); the probe never leaves that mount. */
 int kvp_probe_root_local(int32_t root_fd);
+/* An fd of root_fd's directory on a mount flagged nodev, where opening a file
+ * for reading can never open a device (native/nodev.c): a dup of root_fd when
+ * its mount is nodev (*detached 0), else a copy of its mount tree flagged
+ * nodev and attached nowhere (*detached 1: it does not see later mounts or
+ * unmounts beneath the root; make it again when the mount table changes).
+ * -1 and errno when neither can be had (a copy needs CAP_SYS_ADMIN). */
+int32_t kvp_nodev_view(int32_t root_fd, int32_t *detached);
 /* paths: n names, each ended by NUL (paths_len bytes in all), relative to
  * roots[root_index[i]].  Fills resident_out with the indexes of the files
  * whose first read_bytes are resident by their root's rule, missing_out (and

@@ -18,6 +18,7 @@
  *   open.c            per item: resolve beneath the root, classify, reopen
  *   residency.c       per item: already warm? (cachestat / mincore, tier rule)
  *   probe.c           the worker's fast path for warm heads, before any engine
+ *   nodev.c           a root's view on a nodev mount, where the probe opens in one step
  *   inspect.c         check and evict: look at files, or drop their pages, reading nothing
  *   admit.c           the supervisor's admission: lexical gate, shard, queue room
  *   watch.c           inotify on held files: who else opens them

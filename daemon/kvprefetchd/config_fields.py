@@ -51,6 +51,7 @@ class ConfigFields:
     queue_limit: int = 8192
     worker_nice: int = 19
     worker_batch: bool = True
+    check_before_open: bool = False
     dedup_ttl_ms: int = 1000
     dedup_entries: int = 65536
     dedup_bytes: int = 16777216

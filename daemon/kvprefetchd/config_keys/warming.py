@@ -100,6 +100,14 @@ WARMING = Section("how files are warmed", (
     Key("worker_batch", BOOL, True, restart=True, help="""
         Workers run SCHED_BATCH: a worker woken by new files never preempts the running task,
         so the client woken by the ack (and the supervisor) run before it. Same CPU share."""),
+    # The probe's one open (native/nodev.c): -37% of its CPU per resident file, the hot
+    # path from 0.64x vmtouch's to 0.46-0.50x (docs/bench/hot.md, issue 25).
+    Key("check_before_open", BOOL, False, restart=True, help="""
+        Open a file for reading only once a check of its O_PATH fd said it is a regular
+        file: two opens per resident file the probe looks at. Off, the probe opens a file
+        once, then checks it, beneath a root it sees through a nodev mount (the root's own,
+        or a copy of it the daemon can make as root): the kernel refuses every device
+        there, a FIFO is opened without waiting and closed unread."""),
     Key("dedup_ttl_ms", INT, 1000, bounds=(0, 3_600_000), restart=True, help="""
         A path warmed within this many milliseconds is skipped as a duplicate;
         at most dedup_entries paths, and dedup_bytes of memory for them (16 MiB), are

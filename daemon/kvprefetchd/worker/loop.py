@@ -79,7 +79,9 @@ class Worker:
             "noatime_fallbacks": 0,
         }
         self.native = load_native()
-        self.prober = Prober(self.native, self.root_fds, self.rules)
+        self.prober = Prober(self.native, self.root_fds, self.rules, one_open=plan.one_open)
+        if self.prober.mounts_fd >= 0:  # POLLPRI at every mount or unmount: views go stale
+            self.poller.register(self.prober.mounts_fd, select.POLLPRI)
         self.inspector = Inspector(self.native)
         self.keeping = Keeping(self.native, plan.holds, self.inspector)
         self.depth_hinted: set[tuple[int, int]] = set()  # (queue engine, root fd) given
@@ -99,7 +101,9 @@ class Worker:
     def run(self) -> None:
         self.watch(self.engine)
         while True:
-            self.poller.poll(self.poll_timeout_ms())
+            for fd, _ in self.poller.poll(self.poll_timeout_ms()):
+                if fd == self.prober.mounts_fd:
+                    self.prober.remount()
             for message in self.reader.read_available():
                 if isinstance(message, Warm):
                     self.accept(message)
@@ -111,6 +115,7 @@ class Worker:
                     log.warning("worker %d: unexpected %s", self.plan.index, type(message))
             if self.reader.closed:
                 self.holds.close()
+                self.prober.close()
                 return  # the supervisor is gone: nobody to report to
             if len(self.holds):
                 self.holds.read_events()

@@ -34,6 +34,9 @@ class WorkerPlan:
     batch: bool = False  # SCHED_BATCH (config.worker_batch)
     tiers: tuple[RootTier, ...] = ()  # per root, beside rules (RootTier() when not open)
     holds: HoldBudget = field(default_factory=HoldBudget)
+    # The probe opens each file once beneath a root's nodev view (config.check_before_open
+    # off): worker/probe.py.
+    one_open: bool = True
 
     @property
     def warm_mode(self) -> str:

@@ -14,13 +14,24 @@ only preempted on a busy host does not stop it: the queue would cost that host m
 for the same answer). The probe leaves such names with the rest, untagged: under
 RESOLVE_CACHED a mount point and a name outside the dentry cache both say EAGAIN; the
 queue's own lookup tells them apart and reads them in its other-mount lane.
+
+Under the page-cache rule the probe opens each file once where it has a root's nodev view
+(native/nodev.c: a mount where no open can reach a device), twice where it has not (an
+O_PATH open checked, then a read open of that inode). A view that is a copy of the root's
+mounts does not see later mounts and unmounts beneath the root; the walk never crosses a
+mount point, so that misleads no answer, but the copy keeps an unmounted file system alive:
+the worker's loop polls `mounts_fd` and calls `remount` at every change.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from kvprefetchd.native import Native
+
+log = logging.getLogger(__name__)
 
 # The most CPU one call may spend on the worker's thread (it reads no channel meanwhile):
 # ~10,000 resident files here. CPU time, not wall time: on a busy host a preempted call
@@ -32,14 +43,21 @@ class Prober:
     """The probe and what it knows of each root: its fd, rule, and whether it is local
     (the root's own file system: the probe never leaves the root's mount)."""
 
-    def __init__(self, native: Native, root_fds: list[int], rules: list[int]) -> None:
+    def __init__(self, native: Native, root_fds: list[int], rules: list[int], *,
+                 one_open: bool = True) -> None:
         self._native = native
+        self._one_open = one_open
         ffi, lib = native.ffi, native.lib
         self._prober = ffi.gc(lib.kvp_prober_new(), lib.kvp_prober_free)
         self.works = bool(self._prober != ffi.NULL and lib.kvp_prober_works(self._prober))
         self._roots: Any = ffi.new("struct kvp_probe_root[]", max(1, len(root_fds)))
         self._nroots = len(root_fds)
         self._probed = [False] * len(root_fds)
+        self._copied = [False] * len(root_fds)  # the view is a copy of the root's mounts
+        self._detached: Any = ffi.new("int32_t *")
+        self.mounts_fd = self._watch_mounts() if one_open else -1
+        for index in range(len(root_fds)):
+            self._roots[index].view = -1
         for index, (fd, rule) in enumerate(zip(root_fds, rules, strict=True)):
             self.set_root(index, fd, rule)
         self._capacity = 0
@@ -54,6 +72,59 @@ class Prober:
         root.fd, root.residency = fd, rule
         root.local = int(fd >= 0 and lib.kvp_probe_root_local(fd) == 1)
         self._probed[index] = bool(root.local and rule != lib.KVP_RES_OFF)
+        self._set_view(index)
+
+    def _set_view(self, index: int) -> None:
+        """Make root `index`'s nodev view (again), where the page-cache rule probes."""
+        lib, root = self._native.lib, self._roots[index]
+        if root.view >= 0:
+            os.close(root.view)
+        root.view, self._copied[index] = -1, False
+        if not (self._one_open and self._probed[index]
+                and root.residency == lib.KVP_RES_PAGECACHE):
+            return
+        view = lib.kvp_nodev_view(root.fd, self._detached)
+        if view < 0:
+            log.debug("root %d: no nodev view (%s); the probe opens each file twice",
+                      index, os.strerror(self._native.ffi.errno))
+            return
+        # A copy that would go stale unwatched is not used.
+        if self._detached[0] and self.mounts_fd < 0:
+            os.close(view)
+            return
+        root.view, self._copied[index] = view, bool(self._detached[0])
+
+    @staticmethod
+    def _watch_mounts() -> int:
+        """/proc/self/mountinfo, which polls POLLPRI when this mount namespace changes."""
+        try:
+            return os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+
+    def remount(self) -> None:
+        """The mount table changed: make every copied view again, so that none keeps a
+        file system unmounted beneath its root alive."""
+        for index, copied in enumerate(self._copied):
+            if copied:
+                self._set_view(index)
+
+    def one_open(self, index: int) -> bool:
+        """Whether the probe opens root `index`'s files once (it has a nodev view)."""
+        return self.view_fd(index) >= 0
+
+    def view_fd(self, index: int) -> int:
+        """Root `index`'s nodev view, -1 for none."""
+        return int(self._roots[index].view)
+
+    def close(self) -> None:
+        for index in range(self._nroots):
+            if self._roots[index].view >= 0:
+                os.close(self._roots[index].view)
+                self._roots[index].view = -1
+        if self.mounts_fd >= 0:
+            os.close(self.mounts_fd)
+            self.mounts_fd = -1
 
     def local(self, index: int) -> bool:
         """Whether root `index` is on a local file system (not network, not FUSE)."""
