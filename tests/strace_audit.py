@@ -29,6 +29,7 @@ syscalls only (native/open.c), and a new uring open would have to be audited ane
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -69,6 +70,8 @@ class Open:
     errno: str  # "" when it succeeded
     path: bytes | None  # what the result fd names (the real object opened)
     kind: str  # "char M:N" / "block M:N" for devices, "" otherwise
+    dirfd: int = -1  # the dirfd argument's number, -1 for none or AT_FDCWD
+    view: bool = False  # resolved beneath a root's nodev view (`through_views`)
 
     @property
     def ok(self) -> bool:
@@ -127,13 +130,62 @@ def _stat(pid: int, match: re.Match[str]) -> Stat:
                 mode=mode.group(1) if mode and ok and by_fd else "")
 
 
+def nodev_views(pids: Iterable[int], roots: Iterable[str | os.PathLike[str]]
+                ) -> dict[tuple[int, int], bytes]:
+    """(pid, fd) -> root: the fds of running processes that are a root's nodev view.
+
+    A worker's probe opens files beneath a copy of a root's mounts flagged nodev
+    (native/nodev.c), made at the worker's start, before strace attaches. /proc (and so
+    strace -y) names the copy "/", and what is opened beneath it "/rel": the copy is
+    attached nowhere. It is the root's very directory all the same (same device, same
+    inode), which is how it is told here, from the live fd table.
+    """
+    ids = {}
+    for root in roots:
+        st = os.stat(root)
+        ids[(st.st_dev, st.st_ino)] = os.fsencode(os.fspath(root)).rstrip(b"/")
+    views: dict[tuple[int, int], bytes] = {}
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{name}") != "/":
+                    continue
+                st = os.stat(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            root = ids.get((st.st_dev, st.st_ino))
+            if root is not None:
+                views[(pid, int(name))] = root
+    return views
+
+
+def through_views(records: Iterable[Open | Stat], views: dict[tuple[int, int], bytes]
+                  ) -> list[Open | Stat]:
+    """The records with every open beneath a view spelled as beneath its root."""
+    out: list[Open | Stat] = []
+    for record in records:
+        root = views.get((record.pid, record.dirfd)) if isinstance(record, Open) else None
+        if root is None or not isinstance(record, Open) or record.dirfd_path != b"/":
+            out.append(record)
+            continue
+        path = root + record.path if record.path is not None else None
+        out.append(dataclasses.replace(record, dirfd_path=root, path=path, view=True))
+    return out
+
+
 def opens_of(records: Iterable[Open | Stat]) -> list[Open]:
     return [r for r in records if isinstance(r, Open)]
 
 
 def unchecked_io_opens(records: Iterable[Open | Stat], roots: Iterable[str | os.PathLike[str]]
                        ) -> list[Open]:
-    """Opens for I/O of something beneath a root that are not the verified reopen.
+    """Opens for I/O of something beneath a root that are not the verified reopen, nor an
+    openat2 beneath a root's nodev view (`through_views`: there the kernel refuses every
+    device, and the probe opens first and checks after, native/nodev.c).
 
     The rule (native/open.c reopen(), kv/discover.py _open_regular()): resolve with
     O_PATH, fstat that fd, refuse all but regular files, then open /proc/self/fd/N (or
@@ -156,6 +208,8 @@ def unchecked_io_opens(records: Iterable[Open | Stat], roots: Iterable[str | os.
         if not record.ok or record.o_path or record.path is None or not beneath(record.path,
                                                                                 roots):
             continue
+        if record.view and "RESOLVE_BENEATH" in record.resolve:
+            continue  # opened first, checked after: the view's mount refuses every device
         reopen = re.fullmatch(rb"/proc/self/fd/(\d+)", record.name)
         if reopen is None and record.dirfd_path == b"/proc/%d/fd" % record.pid:
             reopen = re.fullmatch(rb"(\d+)", record.name)
@@ -167,10 +221,12 @@ def unchecked_io_opens(records: Iterable[Open | Stat], roots: Iterable[str | os.
 def _record(pid: int, match: re.Match[str]) -> Open:
     call, args, rest = match["call"], match["args"], match["rest"]
     dirfd_path: bytes | None = None
+    dirfd = -1
     if call in ("openat", "openat2", "open_by_handle_at"):
         fd_match = _FD.match(args)
         if fd_match:
             dirfd_path = unhex(fd_match["path"])
+            dirfd = int(fd_match["fd"]) if fd_match["fd"] != "AT_FDCWD" else -1
             args = args[fd_match.end():].lstrip(", ")
     string = _STRING.search(args)
     name = unhex(string["s"]) if string else b""
@@ -192,7 +248,7 @@ def _record(pid: int, match: re.Match[str]) -> Open:
         pid=pid, call=call, dirfd_path=dirfd_path, name=name, flags=flags, resolve=resolve,
         fd=fd, errno=errno_match["errno"] if errno_match else "",
         path=unhex(result["path"]) if result and fd >= 0 else None,
-        kind=(result["kind"] or "").strip("<>") if result and fd >= 0 else "",
+        kind=(result["kind"] or "").strip("<>") if result and fd >= 0 else "", dirfd=dirfd,
     )
 
 

@@ -19,7 +19,11 @@ Policy, decided here and documented in docs/protocol.md:
   are refused even beneath a root (RESOLVE_NO_MAGICLINKS), so a /proc mounted inside a
   root still leads nowhere.
 - A hard link inside a root is indistinguishable from the file itself: inside.
-- FIFOs, sockets, devices and directories are `rejected` before any open for reading.
+- FIFOs, sockets, devices and directories are `rejected`, and no device is ever opened.
+  With `check_before_open = true` none of them is opened for reading at all. By default
+  the probe, beneath a root's nodev view (native/nodev.c: the kernel refuses every
+  device there), opens a name first and checks after: a FIFO may then be opened without
+  waiting (O_NONBLOCK) and closed unread. The test runs both ways.
 
 Every attempt is one path in one `wait` request, so each reply names that path's
 outcome. Escapes must come back `rejected` (by the supervisor or by the worker) or
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import random
@@ -61,7 +66,9 @@ from strace_audit import (
     StraceAudit,
     available,
     beneath,
+    nodev_views,
     opens_of,
+    through_views,
     unchecked_io_opens,
 )
 
@@ -605,8 +612,15 @@ def audit_strace(records: list[Open | Stat], arena: Arena) -> dict[str, Any]:
         if not beneath(open_.path or b"", roots) and not daemon_internal(open_, python_dirs):
             outside.append(open_)
     unchecked = unchecked_io_opens(records, roots)
+    # The FIFO may only be opened beneath a view, without waiting. (Not race/fifo: -y names
+    # an fd by its name at the call, which the race flips between a FIFO and a file.)
+    fifo = os.fsencode(arena.root / "fifo")
+    waited = [o for o in opens if o.ok and not o.o_path and o.path == fifo
+              and not (o.view and "O_NONBLOCK" in o.flags)]
     return {"calls": dict(calls), "opens_outside_roots": [repr(o) for o in outside],
             "io_opens_without_regular_check": [repr(o) for o in unchecked],
+            "fifo_opens_not_in_a_view_without_waiting": [repr(o) for o in waited],
+            "opens_beneath_views": sum(o.ok and o.view for o in opens),
             "openat2_not_beneath_a_root_fd": [repr(o) for o in bad_openat2],
             "successful_opens": sum(o.ok for o in opens),
             "io_opens_beneath_roots": sum(o.ok and not o.o_path and beneath(o.path or b"", roots)
@@ -628,15 +642,17 @@ def arena(tmp_path: Path) -> Iterator[Arena]:
             built.listener.close()
 
 
+@pytest.mark.parametrize("check_before_open", [True, False])
 def test_over_a_thousand_escape_attempts_open_nothing_outside_the_roots(
-    arena: Arena, tmp_path: Path
+    arena: Arena, tmp_path: Path, check_before_open: bool
 ) -> None:
     work = tmp_path / "work"  # the test's own files, away from the watched directories
     work.mkdir()
     config = work / "attack.toml"
     # No dedup memory: every request really resolves its path (a remembered `read` would
     # let a race hide behind the first answer).
-    config.write_text("dedup_ttl_ms = 0\ndedup_entries = 0\nlog_level = \"info\"\n")
+    config.write_text("dedup_ttl_ms = 0\ndedup_entries = 0\nlog_level = \"info\"\n"
+                      f"check_before_open = {str(check_before_open).lower()}\n")
     daemon: Daemon = start_cli(tmp_path, "--config", str(config), "--root", str(arena.root2),
                                   root=arena.root)
     strace_skip = available()
@@ -667,6 +683,8 @@ def test_over_a_thousand_escape_attempts_open_nothing_outside_the_roots(
         assert connection.call("ping")["ok"]
         connection.close()
         records = strace.stop() if strace is not None else []
+        views = nodev_views(daemon.worker_pids(), [arena.root, arena.root2])
+        records = through_views(records, views)
         events = inotify.events()
         fifos_opened = [name for name, watch in watches.items() if watch.close()]
     finally:
@@ -724,13 +742,20 @@ def test_over_a_thousand_escape_attempts_open_nothing_outside_the_roots(
     assert not wrong, wrong[:20]
     assert not read_escapes, read_escapes[:20]
     assert not outside_events, outside_events
-    assert not special_events, special_events
-    assert not fifos_opened, fifos_opened
+    if check_before_open:
+        assert not views  # every open for reading is the checked reopen
+        assert not special_events, special_events
+        assert not fifos_opened, fifos_opened
+    else:
+        assert views  # as root the workers made their views: the one-open probe ran
+        assert not [p for p in special_events if p.name != "fifo"], special_events
     assert controls_seen  # the inotify audit does see real opens
     if strace is not None:
         s = report["strace"]
         assert s["opens_outside_roots"] == [], s["opens_outside_roots"][:20]
         assert s["io_opens_without_regular_check"] == [], s["io_opens_without_regular_check"][:20]
+        assert s["fifo_opens_not_in_a_view_without_waiting"] == [], s
+        assert (s["opens_beneath_views"] > 0) == (not check_before_open)
         assert s["openat2_not_beneath_a_root_fd"] == [], s["openat2_not_beneath_a_root_fd"]
         assert s["openat2_beneath_root_fd"] > 0  # the audit does see the daemon's opens
     else:
@@ -754,6 +779,24 @@ def test_strace_lines_parse_with_hex_paths_and_resumed_calls() -> None:
     assert "RESOLVE_BENEATH" in first.resolve
     assert (second.call, second.ok, second.errno) == ("openat2", False, "EXDEV")
     assert (third.pid, third.path, third.kind, third.o_path) == (11, b"/d", "char 1:3", False)
+
+
+def test_opens_beneath_a_view_are_spelled_beneath_its_root() -> None:
+    """strace -y names a view "/" and what is opened beneath it "/rel"; `through_views`
+    puts the root back, for that process's view fd only."""
+    from strace_audit import parse
+
+    line = ('7 openat2(5<\\x2f>, "\\x61", {flags=O_RDONLY|O_NONBLOCK, '
+            "resolve=RESOLVE_NO_MAGICLINKS|RESOLVE_BENEATH}, 24) = 6<\\x2f\\x61>")
+    (record,) = parse([line])
+    assert (record.dirfd, record.dirfd_path, record.path) == (5, b"/", b"/a")
+    (seen,) = through_views([record], {(7, 5): b"/kv"})
+    assert isinstance(seen, Open)
+    assert (seen.dirfd_path, seen.path, seen.view) == (b"/kv", b"/kv/a", True)
+    assert through_views([record], {(8, 5): b"/kv"}) == [record]  # another process's fd 5
+    assert unchecked_io_opens([seen], ["/kv"]) == []  # the kernel refuses devices there
+    assert unchecked_io_opens([record], ["/kv"]) == []  # "/a" is no root's, nothing said
+    assert unchecked_io_opens([dataclasses.replace(seen, resolve="")], ["/kv"]) != []
 
 
 def test_the_strace_audit_flags_what_it_must(tmp_path: Path) -> None:
