@@ -108,8 +108,10 @@ def probe_cpu(paths: Sequence[str], args: argparse.Namespace, rule: str) -> tupl
     native = load_native()
     root = os.open(args.base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        prober = Prober(native, [root], [native.rule_codes[rule]])
+        prober = Prober(native, [root], [native.rule_codes[rule]],
+                        one_open=not getattr(args, "check_before_open", False))
         if not prober.useful:
+            prober.close()
             return float("nan"), 0
         prefix = len(str(args.base)) + 1
         share = max(1, args.wait_paths // 2)
@@ -122,6 +124,7 @@ def probe_cpu(paths: Sequence[str], args: argparse.Namespace, rule: str) -> tupl
             found, _, _ = prober.probe(roots, blob, count, args.size)
             resident += len(found) // 4
         spent = time.process_time() - started
+        prober.close()
     finally:
         os.close(root)
     return spent, resident
@@ -354,6 +357,7 @@ def run(args: argparse.Namespace,
         daemon = start_config(args.out / f"daemon-{rule}", {
             "roots": [str(args.base)], "workers": 2, "dedup_ttl_ms": 0,
             "read_bytes": args.size, "residency_by_root": {str(args.base): rule},
+            "check_before_open": bool(getattr(args, "check_before_open", False)),
         })
         try:
             pids = daemon.worker_pids()
@@ -464,6 +468,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="real 4 KiB files among them (each once)")
     parser.add_argument("--syscalls", action="store_true",
                         help="count the workers' syscalls per file in one more pass (perf)")
+    parser.add_argument("--check-before-open", action="store_true",
+                        help="the daemon's check_before_open: two opens per file in the probe")
     parser.add_argument("--base", type=Path, default=Path("/var/tmp/kvbench"))
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
