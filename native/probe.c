@@ -9,10 +9,11 @@
  * then (page-cache rule) the /proc reopen of the verified inode and cachestat;
  * ~4 us per file here.  Beneath a root's nodev view (nodev.c), where no open
  * can reach a device, the page-cache rule opens the file for reading at once
- * and checks it after: one open instead of two, -37% of the probe's CPU.  The reopen is relative to a held fd of /proc/self/fd
- * (proc_fd): the absolute "/proc/self/fd/N" walked /proc and resolved the
- * "self" link for every file, measured at ~40% of the probe's CPU
- * (docs/bench/hot.md, issue 25).  It settles RESIDENT, and MISSING where the dentry
+ * and checks it after: one open instead of two, -37% of the probe's CPU.  The
+ * reopen is relative to a held fd of /proc/self/fd (proc_fd): the absolute
+ * "/proc/self/fd/N" walked /proc and resolved the "self" link for every file,
+ * measured at ~40% of the probe's CPU (docs/bench/hot.md, issue 25).  It
+ * settles RESIDENT, and MISSING where the dentry
  * cache itself says the name does not exist (ENOENT under RESOLVE_CACHED: a
  * negative dentry, which a local file system keeps exact; the router asks for
  * blocks not written yet all the time).  Every other file (cold, rejected, a
