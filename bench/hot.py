@@ -109,7 +109,7 @@ def probe_cpu(paths: Sequence[str], args: argparse.Namespace, rule: str) -> tupl
     root = os.open(args.base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         prober = Prober(native, [root], [native.rule_codes[rule]],
-                        one_open=not getattr(args, "check_before_open", False))
+                        check_before_open=getattr(args, "check_before_open", False))
         if not prober.useful:
             prober.close()
             return float("nan"), 0

@@ -54,7 +54,7 @@ def worker_plan(config: Config, roots: RootSet, engines: dict[str, tuple[EngineS
             file_timeout=config.file_timeout,
             other_mount_threads=config.other_mount_threads,
         ),
-        one_open=not config.check_before_open,
+        check_before_open=config.check_before_open,
         dedup_ttl=config.dedup_ttl_ms / 1000.0,
         dedup_entries=config.dedup_entries,
         dedup_bytes=config.dedup_bytes,

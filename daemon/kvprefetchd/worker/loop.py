@@ -79,7 +79,8 @@ class Worker:
             "noatime_fallbacks": 0,
         }
         self.native = load_native()
-        self.prober = Prober(self.native, self.root_fds, self.rules, one_open=plan.one_open)
+        self.prober = Prober(self.native, self.root_fds, self.rules,
+                             check_before_open=plan.check_before_open)
         if self.prober.mounts_fd >= 0:  # POLLPRI at every mount or unmount: views go stale
             self.poller.register(self.prober.mounts_fd, select.POLLPRI)
         self.inspector = Inspector(self.native)

@@ -34,9 +34,8 @@ class WorkerPlan:
     batch: bool = False  # SCHED_BATCH (config.worker_batch)
     tiers: tuple[RootTier, ...] = ()  # per root, beside rules (RootTier() when not open)
     holds: HoldBudget = field(default_factory=HoldBudget)
-    # The probe opens each file once beneath a root's nodev view (config.check_before_open
-    # off): worker/probe.py.
-    one_open: bool = True
+    # Off: the probe opens each file once beneath a root's nodev view (worker/probe.py).
+    check_before_open: bool = False
 
     @property
     def warm_mode(self) -> str:

@@ -44,9 +44,9 @@ class Prober:
     (the root's own file system: the probe never leaves the root's mount)."""
 
     def __init__(self, native: Native, root_fds: list[int], rules: list[int], *,
-                 one_open: bool = True) -> None:
+                 check_before_open: bool = False) -> None:
         self._native = native
-        self._one_open = one_open
+        self._check_before_open = check_before_open
         ffi, lib = native.ffi, native.lib
         self._prober = ffi.gc(lib.kvp_prober_new(), lib.kvp_prober_free)
         self.works = bool(self._prober != ffi.NULL and lib.kvp_prober_works(self._prober))
@@ -55,7 +55,7 @@ class Prober:
         self._probed = [False] * len(root_fds)
         self._copied = [False] * len(root_fds)  # the view is a copy of the root's mounts
         self._detached: Any = ffi.new("int32_t *")
-        self.mounts_fd = self._watch_mounts() if one_open else -1
+        self.mounts_fd = -1 if check_before_open else self._watch_mounts()
         for index in range(len(root_fds)):
             self._roots[index].view = -1
         for index, (fd, rule) in enumerate(zip(root_fds, rules, strict=True)):
@@ -80,8 +80,8 @@ class Prober:
         if root.view >= 0:
             os.close(root.view)
         root.view, self._copied[index] = -1, False
-        if not (self._one_open and self._probed[index]
-                and root.residency == lib.KVP_RES_PAGECACHE):
+        if (self._check_before_open or not self._probed[index]
+                or root.residency != lib.KVP_RES_PAGECACHE):
             return
         view = lib.kvp_nodev_view(root.fd, self._detached)
         if view < 0:
@@ -109,12 +109,9 @@ class Prober:
             if copied:
                 self._set_view(index)
 
-    def one_open(self, index: int) -> bool:
-        """Whether the probe opens root `index`'s files once (it has a nodev view)."""
-        return self.view_fd(index) >= 0
-
     def view_fd(self, index: int) -> int:
-        """Root `index`'s nodev view, -1 for none."""
+        """Root `index`'s nodev view, beneath which the probe opens each file once; -1:
+        none, it opens each file twice."""
         return int(self._roots[index].view)
 
     def close(self) -> None:
