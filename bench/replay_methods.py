@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -107,7 +107,7 @@ class PoolWarmer:
         buffer = bytearray(min(self.head, 1 << 20))
         while (job := self.jobs.get()) is not None:
             index, path = job
-            ok = read_head(path, self.head, buffer)
+            ok = read_head(path, self.head, buffer) >= 0
             with self.lock:
                 if not ok:
                     self.short.add(index)
@@ -233,14 +233,18 @@ class Clock:
         return time.monotonic() - self.start
 
 
-def read_head(path: str, head: int, buffer: bytearray) -> bool:
+def read_head(path: str, head: int, buffer: bytearray,
+              look: Callable[[int], int] | None = None) -> int:
     """open + FADV_RANDOM (exactly the head, no readahead window: mm/readahead.c) + pread
-    of [0, head) or to the end of the file + close; False on an error."""
+    of [0, head) or to the end of the file + close; -1 on an error. `look`, given the fd
+    between the open and the first read, says how many bytes of the head are near then:
+    the return value (else 0)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return False
+        return -1
     try:
+        near = look(fd) if look is not None else 0
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         view, offset = memoryview(buffer), 0
         while offset < head:
@@ -248,9 +252,9 @@ def read_head(path: str, head: int, buffer: bytearray) -> bool:
             if n <= 0:
                 break
             offset += n
-        return True
+        return near
     except OSError:
-        return False
+        return -1
     finally:
         os.close(fd)
 

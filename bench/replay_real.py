@@ -29,7 +29,7 @@ from tier_measure import keep_backing_warm
 
 import tiersim
 from kvharness import realtier
-from kvharness.pagecache import residency
+from kvharness.pagecache import fd_residency
 
 BLOCK = 512  # st_blocks' unit (stat(2))
 TIERS = ("tiersim", "s3fs")
@@ -51,8 +51,8 @@ class SimTier:
     def reset(self) -> None:
         self.tier.reset_stats()
 
-    def resident(self, path: str, head: int) -> int:
-        st = os.stat(path)
+    def resident(self, fd: int, head: int) -> int:
+        st = os.fstat(fd)
         return int(min(st.st_blocks * BLOCK, st.st_size, head))
 
     def counters(self) -> dict[str, int]:
@@ -76,8 +76,8 @@ class S3fsTier:
     def reset(self) -> None:
         pass
 
-    def resident(self, path: str, head: int) -> int:
-        return residency(path, 0, head, uptodate=True)[0]
+    def resident(self, fd: int, head: int) -> int:
+        return fd_residency(fd, 0, head, uptodate=True)[0]
 
     def counters(self) -> dict[str, int]:
         counts = self.proxy.counts()

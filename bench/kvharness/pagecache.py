@@ -63,16 +63,25 @@ def residency(path: str | Path, offset: int = 0, length: int | None = None, *,
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        want = size - offset if length is None else min(length, max(0, size - offset))
-        if want <= 0:
-            return 0, size
-        result = int(native_lib().kvp_resident_bytes(fd, offset, want, 1 if uptodate else 0))
+        got = fd_residency(fd, offset, length, uptodate=uptodate)
     finally:
         os.close(fd)
-    if result < 0:
-        raise OSError(-result, os.strerror(-result), str(path))
-    return min(result, want), size
+    if got[0] < 0:
+        raise OSError(-got[0], os.strerror(-got[0]), str(path))
+    return got
+
+
+def fd_residency(fd: int, offset: int = 0, length: int | None = None, *,
+                 uptodate: bool = False) -> tuple[int, int]:
+    """residency() of an open file, through the caller's fd: where opening the file is
+    itself an event (a FUSE tier's open is a request to the server, and ends a warmer's
+    hold), the look must not add one. (-errno, size) when the look fails."""
+    size = os.fstat(fd).st_size
+    want = size - offset if length is None else min(length, max(0, size - offset))
+    if want <= 0:
+        return 0, size
+    result = int(native_lib().kvp_resident_bytes(fd, offset, want, 1 if uptodate else 0))
+    return (min(result, want) if result >= 0 else result), size
 
 
 def cached_and_reclaimed(path: str | Path, offset: int = 0,
