@@ -110,14 +110,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             probe = [tier.path(chain[0]) for chain in cold_docs]
             capacity = replay_run.capacity(tier, probe, head, 4 * max(args.slots, 64))
             streams = {load: replay_stream.stream(spec, load, capacity["files_per_s"],
-                                                  args.duration_s) for load in loads}
+                                                  args.duration_s,
+                                                  capacity["warm_files_per_s"])
+                       for load in loads}
             first = streams[loads[0]].requests
             refs = replay_run.references(tier, first[: args.references], head)
             # the fetch latency: the simulator's setting; a real tier's, from one request
             # read alone and cold, file after file
             latency_s = (args.latency_ms / 1000 if args.tier == "tiersim"
                          else refs["cold_s"] / spec.files_per_request)
-            tell(args, f"capacity {capacity['files_per_s']} files/s; one request alone: cold "
+            tell(args, f"capacity {capacity['files_per_s']} files/s cold, "
+                       f"{capacity['warm_files_per_s']} warm; one request alone: cold "
                        f"{refs['cold_s']:.3f} s, warm {refs['warm_s']:.4f} s; fetch latency "
                        f"{latency_s * 1000:.0f} ms")
             for rep in range(args.reps):

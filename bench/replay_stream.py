@@ -17,11 +17,17 @@ before it, so two prompts with the same beginning name the same leading files:
   files `delta` after arrival, delta uniform in [delta_min_ms, delta_max_ms] (routing and
   queueing before the GPU reads).
 
-The load is set on the tier's fetch capacity: the stream of n requests over `duration_s`
-brings F(n) files the tier has not fetched yet (first mentions, not warm); n is the least
-count with F(n) >= load x capacity x duration_s, so the offered fetch rate is `load` times
-what the tier can fetch. Everything is drawn from seeded generators: the same spec, load,
-capacity and duration give the same stream, file for file and microsecond for microsecond.
+The load is set on the tier's measured work: a file the tier has not fetched yet (a first
+mention, not warm) costs it 1/capacity seconds, as a cold read by many threads at once
+measured it; every other file a consumer opens costs it 1/warm_capacity, as the same
+reads of warm files measured it. On the simulator that second cost is next to nothing (an
+open is a local call); on s3fs it is not: every open of a file nobody has open sends the
+endpoint two HEADs (measured: warm files open and read at 5-7 times the cold rate, so
+each counts for about a sixth of a fetch). The stream of n requests over `duration_s` is
+the least n whose work W(n) >= load x duration_s: the offered load is `load` times what the
+tier can serve, whatever its work is made of. Everything is drawn from seeded generators:
+the same spec, load, capacity, warm capacity and duration give the same stream, file for
+file and microsecond for microsecond.
 """
 
 from __future__ import annotations
@@ -79,10 +85,15 @@ class Stream:
     requests: list[Request]
     warm: list[str]       # files warm before the first request
     new_files: int        # files the stream needs fetched: first mentions, not warm
-    offered: float = field(init=False)
+    warm_capacity: float = 0.0  # warm files per second the tier opens at most (0: free)
+    offered: float = field(init=False)  # the stream's work over the tier's, per second
 
     def __post_init__(self) -> None:
-        self.offered = self.new_files / self.duration_s / self.capacity
+        opens = sum(len(r.files) for r in self.requests) - self.new_files
+        work = self.new_files / self.capacity
+        if self.warm_capacity > 0:
+            work += opens / self.warm_capacity
+        self.offered = work / self.duration_s
 
 
 def _chain(parent: str, label: str, count: int) -> list[str]:
@@ -143,20 +154,24 @@ class Population:
                       | {f for d in docs for f in self.doc_files[d]})
 
 
-def stream(spec: StreamSpec, load: float, capacity: float, duration_s: float) -> Stream:
-    """The requests for one load (module docstring); the same for the same arguments."""
+def stream(spec: StreamSpec, load: float, capacity: float, duration_s: float,
+           warm_capacity: float = 0.0) -> Stream:
+    """The requests for one load (module docstring); the same for the same arguments.
+    warm_capacity 0: a warm file's open costs the tier nothing."""
     population = Population.of(spec)
     warm = population.warm_files()
     seen = set(warm)
-    target = load * capacity * duration_s
+    target = load * duration_s  # seconds of the tier's work
+    open_cost = 1 / warm_capacity if warm_capacity > 0 else 0.0
     choose = random.Random(f"replay-docs-{spec.seed}")  # the same prefix for every load
     docs: list[int] = []
     firsts: list[int] = []
-    new = 0
-    while new < target:
+    new, work = 0, 0.0
+    while work < target:
         if len(docs) > 100 * spec.docs:
             raise ValueError(f"the population ({spec.docs} documents) cannot supply "
-                             f"{target:.0f} new files: raise docs or lower the duration")
+                             f"{target:.1f} s of the tier's work: raise docs or lower the "
+                             "duration")
         doc = population.draw(choose)
         docs.append(doc)
         before = new
@@ -164,6 +179,9 @@ def stream(spec: StreamSpec, load: float, capacity: float, duration_s: float) ->
             if path not in seen:
                 seen.add(path)
                 new += 1
+                work += 1 / capacity
+            else:
+                work += open_cost
         firsts.append(new - before)
     arrivals = random.Random(f"replay-arrivals-{spec.seed}-{load}")
     deltas = random.Random(f"replay-deltas-{spec.seed}")
@@ -174,7 +192,7 @@ def stream(spec: StreamSpec, load: float, capacity: float, duration_s: float) ->
         delta = deltas.uniform(spec.delta_min_ms, spec.delta_max_ms) / 1000
         requests.append(Request(index, doc, population.doc_system[doc],
                                 population.request_files(doc), now, delta, firsts[index]))
-    return Stream(spec, load, capacity, duration_s, requests, warm, new)
+    return Stream(spec, load, capacity, duration_s, requests, warm, new, warm_capacity)
 
 
 def ensure_backing(spec: StreamSpec, base: Path) -> Path:

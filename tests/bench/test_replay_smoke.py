@@ -96,6 +96,20 @@ def test_load_warm_files_and_deltas(big: replay_stream.Stream) -> None:
     assert [r.files for r in half.requests] == [r.files for r in big.requests[: len(half.requests)]]
 
 
+def test_where_an_open_costs_the_tier_the_load_counts_it(big: replay_stream.Stream) -> None:
+    """On s3fs a warm file's open costs the endpoint about what a small cold fetch does:
+    the same load then offers fewer requests, and the offered work still comes to it."""
+    costly = stream(SPEC, load=1.5, capacity=150, duration_s=20, warm_capacity=150)
+    assert costly.offered == pytest.approx(1.5, rel=0.01)
+    opens = sum(len(r.files) for r in costly.requests) - costly.new_files
+    assert (costly.new_files + opens) / 150 / 20 == pytest.approx(1.5, rel=0.01)
+    assert len(costly.requests) < len(big.requests) / 2  # most of a request's files are warm
+    assert [r.files for r in costly.requests] == [
+        r.files for r in big.requests[: len(costly.requests)]]  # the same prefix
+    free = stream(SPEC, load=1.5, capacity=150, duration_s=20, warm_capacity=0)
+    assert [r.files for r in free.requests] == [r.files for r in big.requests]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
 def test_a_small_replay_through_the_daemon_and_tiersim(tmp_path: Path) -> None:
     require_fuse()
@@ -109,6 +123,7 @@ def test_a_small_replay_through_the_daemon_and_tiersim(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     assert (out / "replay.png").stat().st_size > 0 and (out / "table.md").exists()
     assert results["capacity"]["files_per_s"] > 0
+    assert results["capacity"]["warm_files_per_s"] > results["capacity"]["files_per_s"]
     assert set(results["table"]["0.9"]) == {"daemon", "pool-256", "none"}
     new_files = results["streams"]["0.9"]["new_files"]
     for run in results["runs"]:
