@@ -34,7 +34,7 @@ int kvp_advise_and_confirm(struct kvp_ctx *c, struct kvp_window *w, const struct
     for (size_t base = 0; base < n; base += c->cfg.max_open) {
         size_t m = MIN(n - base, (size_t)c->cfg.max_open);
         for (size_t k = 0; k < m; k++) {
-            w->fds[k] = kvp_item_open(c, &items[base + k], &w->spans[k]);
+            w->fds[k] = kvp_item_open(c, &items[base + k], &w->spans[k], NULL);
             if (w->fds[k] >= 0 && how->file)
                 how->file(c, w->fds[k], w->spans[k]);
         }

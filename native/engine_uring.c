@@ -184,7 +184,7 @@ static int uring_read(struct kvp_ctx *c, struct kvp_item *items, size_t n)
                 ready_push(c, si);
             } else if (u->nsfree > 0 && i < n) {
                 uint64_t span;
-                int fd = kvp_item_open(c, &items[i], &span);
+                int fd = kvp_item_open(c, &items[i], &span, NULL);
                 if (fd >= 0) {
                     uint32_t si = u->sfree[--u->nsfree];
                     int queued = u->slots[si].queued;  /* a stale FIFO entry serves it */

@@ -113,8 +113,10 @@ static inline int settle(struct kvp_item *it, int outcome, int err)
 void kvp_open_detect(struct kvp_ctx *c);
 /* Open, classify and check one item: a read fd and *span (the bytes to warm:
  * min(st_size, read_bytes)), or -1 when the item is settled (RESIDENT /
- * MISSING / REJECTED / FAILED). */
-int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span);
+ * MISSING / REJECTED / FAILED).  keep (NULL: none) takes the read fd of a
+ * file the page cache already holds, settled RESIDENT, instead of its close:
+ * for a caller that holds warm files open for their consumer (KVP_ITEM_HOLD). */
+int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span, int *keep);
 /* Resolve and verify one item: an O_PATH fd of a regular file, its stat in *st
  * and it->size set; or -1 with the item settled (MISSING / REJECTED / FAILED).
  * With c->no_xdev, a name on another mount beneath the root is settled FAILED

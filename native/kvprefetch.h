@@ -61,9 +61,10 @@ struct kvp_item {
  * permits it (the owner of the file, or CAP_FOWNER); otherwise read anyway,
  * counted in kvp_noatime_fallbacks. */
 #define KVP_ITEM_NOATIME 1
-/* KVP_ITEM_HOLD (the queue engines): a file READ keeps the fd it was read through open
- * and hands it to the reaper in kvp_done.fd, for file systems that keep a file's data
- * only while someone has it open (s3fs: daemon/kvprefetchd/holds.py). */
+/* KVP_ITEM_HOLD (the queue engines): a file READ, or found RESIDENT in the page cache,
+ * keeps the fd it was read or looked at through open and hands it to the reaper in
+ * kvp_done.fd, for file systems that keep a file's data only while someone has it open,
+ * or answer an open cheaply only then (s3fs: daemon/kvprefetchd/worker/holds.py). */
 #define KVP_ITEM_HOLD 2
 
 /* Reads that asked for O_NOATIME and were refused it (EPERM), since the module loaded. */
@@ -153,8 +154,8 @@ struct kvp_done {            /* one settled file, as reaped */
                                 threads are stuck: the protocol's `mount_unresponsive`) */
     uint64_t size;
     uint64_t done;
-    int32_t fd;              /* KVP_ITEM_HOLD: the fd kept open after a READ, the caller's
-                                to close; else -1 */
+    int32_t fd;              /* KVP_ITEM_HOLD: the fd kept open after a READ or a
+                                page-cache RESIDENT, the caller's to close; else -1 */
 };
 
 #define KVP_QUEUE_STATS_ROOTS 16

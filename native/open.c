@@ -275,7 +275,7 @@ int kvp_item_lookup(const struct kvp_ctx *c, struct kvp_item *it, struct stat *s
     return fd;
 }
 
-int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span)
+int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span, int *keep)
 {
     struct stat st;
     /* The deadline is judged when the read would be issued: an expired file
@@ -297,7 +297,10 @@ int kvp_item_open(struct kvp_ctx *c, struct kvp_item *it, uint64_t *span)
         return settle(it, classify(-fd), -fd);
     /* cachestat needs this real fd: fdget() refuses O_PATH files (EBADF). */
     if (it->residency == KVP_RES_PAGECACHE && kvp_resident_bytes(fd, 0, *span, 0) >= (int64_t)*span) {
-        close(fd);
+        if (keep)
+            *keep = fd;  /* warm already, and held for its consumer all the same */
+        else
+            close(fd);
         it->done = *span;
         return settle(it, KVP_OUT_RESIDENT, 0);
     }

@@ -230,7 +230,11 @@ static void process(struct kvp_queue *q, struct qitem *qi)
     struct kvp_ctx *c = qi->other_mount ? &q->across : &q->base;
     char *buf = q->scratch + (size_t)(qi->seq % KVP_QUEUE_SCRATCH) * c->cfg.chunk;
     uint64_t span = 0;
-    int fd = kvp_item_open(c, &qi->it, &span);
+    /* On a hold root a file found warm is held too: its consumer's open then
+     * finds it open, which is what spares that open a round trip to the
+     * server (s3fs: a HEAD, as long as to fetch a small object). */
+    int fd = kvp_item_open(c, &qi->it, &span,
+                           (qi->it.flags & KVP_ITEM_HOLD) ? &qi->held_fd : NULL);
     if (fd < 0)
         return;
     if (c->engine->warm(c, &qi->it, fd, span, buf) == 0 && (qi->it.flags & KVP_ITEM_HOLD))

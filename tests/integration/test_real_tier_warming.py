@@ -6,6 +6,9 @@ reads. s3fs and rclone mounted over a local S3 endpoint behind a delay proxy
   at the last close: the daemon holds each warmed file open until its consumer opens it
   (holds.py), `check` says so without an open of its own, and the consumer, another
   process, sends the endpoint no GET; its open lets the file go.
+- s3fs with `kernel_cache` keeps the pages across opens, but an open of a file nobody
+  has open costs a HEAD: the daemon holds what it reads and what it finds warm, and the
+  consumer's opens send the endpoint nothing.
 - rclone without a VFS cache keeps nothing for the next open: the daemon finds out by
   reopening a warmed file (reopen.py); no file is `read`, every one is `futile` with reason
   `not_kept`, `check` agrees, stats and metrics flag the root, and `doctor` says why and
@@ -16,6 +19,7 @@ reads. s3fs and rclone mounted over a local S3 endpoint behind a delay proxy
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -111,6 +115,58 @@ def test_s3fs_defaults_warm_ups_are_held_open_until_the_consumer_opens_them(
         # The consumer's opens let them go.
         wait_for(lambda: sum(w["hold_released"]["opened"] for w in daemon.stats()["workers"])
                  == FILES and held_files(daemon) == 0, daemon)
+
+
+def released_on_open(daemon: Daemon) -> int:
+    return sum(w["hold_released"]["opened"] for w in daemon.stats()["workers"])
+
+
+def sent_by_opening_and_reading(paths: list[str],
+                                proxy: realtier.DelayProxy) -> dict[str, int]:
+    """What a consumer's opens and reads of `paths` sent the endpoint, counted before it
+    closes any: s3fs forgets a file's attributes at every close (`s3fs_flush`), after
+    which whoever closes it next, the daemon letting it go included, sends a HEAD of its
+    own, which is not the consumer's. os.open and os.read only (open() would fstat: a
+    getattr)."""
+    before = proxy.counts()
+    fds = [os.open(path, os.O_RDONLY) for path in paths]
+    try:
+        for fd in fds:
+            while os.read(fd, 1 << 20):
+                pass
+        return realtier.requests_between(before, proxy.counts())
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_s3fs_kernel_cache_files_found_warm_are_held_and_their_consumer_sends_nothing(
+        endpoint: tuple[realtier.Endpoint, realtier.DelayProxy],
+        tmp_path_factory: pytest.TempPathFactory, daemon_factory: Any) -> None:
+    """kernel_cache keeps the pages across opens, but s3fs sends a HEAD at every open of a
+    file nobody has open: a file warm but let go costs its consumer as much as a cold one.
+    So the daemon holds every file it warms or finds warm there, and again after a
+    consumer has let one go; the consumer's open then sends nothing."""
+    proxy = endpoint[1]
+    with mounted("s3fs", "kernel_cache", endpoint, tmp_path_factory) as fs:
+        paths = fs.paths()
+        consume_elsewhere(paths[: FILES // 2])  # warm in the page cache, and let go
+        assert sent_by_opening_and_reading(paths[:1], proxy)["HEAD"] > 0  # not held: a HEAD
+        daemon: Daemon = daemon_factory(root=fs.path)
+        assert daemon.stats()["roots"][0]["keep"] == "pagecache"
+        opened = 0
+        for round_ in ("first", "again"):  # again: within the memory of recent reads
+            reply = call(daemon, "prefetch", paths=paths, wait=True, timeout_ms=60_000)
+            outcomes = reply["outcomes"]
+            assert outcomes["read"] + outcomes["resident"] == FILES, (round_, reply)
+            # The host's reclaimer may take pages of a file found warm: it is read instead.
+            assert outcomes["resident"] >= (1 if round_ == "first" else FILES // 2), reply
+            wait_for(lambda: held_files(daemon) == FILES, daemon)
+            sent = sent_by_opening_and_reading(paths, proxy)  # the consumer: this process
+            assert sent["HEAD"] == sent["GET"] == 0, (round_, sent)
+            opened += FILES
+            wait_for(lambda: released_on_open(daemon) == opened  # noqa: B023
+                     and held_files(daemon) == 0, daemon)
 
 
 def test_rclone_without_a_cache_is_found_futile_and_nothing_says_read(

@@ -5,6 +5,7 @@ Per root the tier profile says how that can be (RootTier.keep): the page cache, 
 held open (holds.py), the file system's disk cache (fscache.py), or not known, found out
 by reopening (reopen.py). The worker asks three things of it:
 - `judged`: a file just read: `read`, or `futile` where the consumer will not find it;
+- `found_warm`: a file found warm on a hold root, held for its consumer all the same;
 - `known_state`: what `check` says of a file without an open where an open would undo a
   warm-up (a held file, a disk-cached copy, a futile root);
 - `skip`: whether a file needs no read (held, or in the disk cache) or a lookup only (a
@@ -103,6 +104,12 @@ class Keeping:
                 if not warm:
                     return "futile"  # this very file was found cold: never `read`
         return "futile" if verdicts.dropped(root_index) else "read"
+
+    def found_warm(self, completion: Completion) -> None:
+        """Hold a file found warm on a hold root: the consumer's open finds it open, which
+        on s3fs spares that open its HEAD (measured here, 10 ms each way to the endpoint:
+        0.1 ms a file held against 47 ms warm but let go, as long as a cold read)."""
+        self.holds.hold(completion.item.key, completion.held_fd, completion.size)
 
     def still_warm(self, item: WarmItem, read: int) -> bool | None:
         """Open the file anew, as its consumer will, and look at its pages: warm when at

@@ -200,14 +200,17 @@ class Worker:
 
     def recall(self, message: Warm, files: Files) -> Files:
         """Answer what the memory of recent reads covers, and the files held open; the
-        files neither does."""
+        files neither does. On a hold root only a held file: one read and let go (its
+        consumer opened it) is warm in the page cache, but an open of it costs what a
+        hold spares (holds.py), so it is looked at, and held, again."""
         share_id, read_bytes = message.share_id, message.read_bytes
-        names, root_of = files.all_names(), files.root_of
+        names, root_of, tiers = files.all_names(), files.root_of, self.tiers
         left: list[int] = []
         recent, holds, report = self.recent, self.holds, self.report
         for index in files.indexes:
             key = (root_of[index], names[index])
-            if key in holds or recent.covers(key, read_bytes):
+            if key in holds or (recent.covers(key, read_bytes)
+                                and not tiers[key[0]].hold):
                 self.counters["dedup_recent"] += 1
                 report.settle(ticket_of(share_id, index) if share_id != UNFOLLOWED else UNFOLLOWED,
                               "resident", 0)
@@ -369,6 +372,8 @@ class Worker:
             outcome = self.keeping.judged(completion, root_index, self.tiers[root_index])
         elif outcome == "resident" and item.read_bytes == 0:
             outcome = "futile"  # a futile root's lookup (keeping.skip): nothing was read
+        elif completion.held_fd >= 0:  # found warm on a hold root: held all the same
+            self.keeping.found_warm(completion)
         if outcome in ("read", "resident"):
             self.recent.remember(item.key, item.read_bytes)
         bytes_read = completion.done if completion.outcome == "read" else 0
