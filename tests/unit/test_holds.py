@@ -4,7 +4,10 @@ second process as the consumer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -12,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvprefetchd.native import load_native
+from kvprefetchd.worker.closer import Closer
 from kvprefetchd.worker.holds import Holds
 
 
@@ -78,8 +82,10 @@ def test_holds_expire_oldest_first_and_the_budget_lets_the_oldest_go(tmp_path: P
     # A file larger than the whole byte budget is refused, its fd closed.
     big = tmp_path / "big"
     big.write_bytes(b"y" * (4 * 4096))
+    holds.settled()  # the three let go above are closed
     before = open_fds()
     assert not holds.hold("big", os.open(big, os.O_RDONLY), 4 * 4096)
+    holds.settled()
     assert open_fds() == before and holds.report() == {"hold_refused": 1}
     holds.close()
 
@@ -89,10 +95,37 @@ def test_holding_again_replaces_and_no_budget_holds_nothing(tmp_path: Path) -> N
     before = open_fds()
     holds = Holds(load_native(), max_files=4, max_bytes=1 << 20, seconds=60)
     hold_all(holds, [path, path])
+    holds.settled()
     assert len(holds) == 1 and open_fds() == before + 2
     assert holds.report()["hold_released_replaced"] == 1
     holds.close()
     off = Holds(load_native(), max_files=0, max_bytes=0, seconds=60)
     assert not off.enabled and off.fileno() == -1
     assert not off.hold("x", os.open(path, os.O_RDONLY), 4096)
+    off.settled()
     assert open_fds() == before
+
+
+
+def test_a_close_that_blocks_holds_the_closer_not_its_caller() -> None:
+    """Held fds are closed on the closer's thread (closer.py: a close on FUSE waits for the
+    file system). A close that really blocks: a TCP socket lingering (SO_LINGER) over data
+    its peer has not read. The caller gets on at once; the close ends when the peer reads."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        client.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                client.send(b"x" * 65536)
+        client.setblocking(True)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3))
+        closer = Closer()
+        closer.close(client.detach())
+        assert closer.pending() == 1  # still in close(2), on the closer's thread
+        with peer:
+            while peer.recv(1 << 20):
+                pass
+        closer.wait()
+        assert closer.pending() == 0
+        closer.stop(5.0)

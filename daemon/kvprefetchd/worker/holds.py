@@ -30,6 +30,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from kvprefetchd.native import Native
+from kvprefetchd.worker.closer import Closer
+
+# How long a worker's exit waits for the file system to answer the closes of what it held.
+CLOSE_WAIT_S = 5.0
 
 # struct inotify_event: wd, mask, cookie, len, then len bytes of name (none for a file watch)
 _EVENT = struct.Struct("iIII")
@@ -57,6 +61,7 @@ class Holds:
         self._clock = clock
         self._held: OrderedDict[Hashable, Held] = OrderedDict()  # oldest first
         self._by_wd: dict[int, Hashable] = {}
+        self._closer = Closer()  # every held fd is closed there: closer.py says why
         self.bytes = 0
         self.released: Counter[str] = Counter()  # why, since the last report
         self.held_total = 0  # files taken since the last report
@@ -84,11 +89,11 @@ class Holds:
 
     def hold(self, key: Hashable, fd: int, size: int) -> bool:
         """Keep `fd` (this object's now, closed by it in any case); False when it does not
-        fit the budget at all (closed at once)."""
+        fit the budget at all (let go at once)."""
         if key in self._held:
             self.release(key, "replaced")
         if not self.enabled or size > self.max_bytes:
-            os.close(fd)
+            self._closer.close(fd)
             self.refused += 1
             return False
         while self._held and (len(self._held) >= self.max_files
@@ -108,7 +113,7 @@ class Holds:
             return
         if held.wd >= 0 and self._by_wd.pop(held.wd, None) is not None and why != "opened":
             self._lib.kvp_watch_drop(self._watch, held.wd)  # one-shot: gone after an event
-        os.close(held.fd)
+        self._closer.close(held.fd)
         self.bytes -= held.size
         self.released[why] += 1
 
@@ -147,9 +152,14 @@ class Holds:
             return None
         return max(0.0, next(iter(self._held.values())).until - self._clock())
 
+    def settled(self) -> None:
+        """Until every fd let go so far is closed (closer.py closes them on its thread)."""
+        self._closer.wait()
+
     def close(self) -> None:
         for key in list(self._held):
             self.release(key, "closed")
+        self._closer.stop(CLOSE_WAIT_S)
         if self._watch >= 0:
             os.close(self._watch)
             self._watch = -1
