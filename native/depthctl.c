@@ -100,6 +100,11 @@ int64_t kvp_depth_read_ns(const struct kvp_depth *d)
     return d->read_ns;
 }
 
+int64_t kvp_depth_floor_ns(const struct kvp_depth *d)
+{
+    return d->floor_ns;
+}
+
 
 int64_t kvp_depth_stall_ns(const struct kvp_depth *d)
 {

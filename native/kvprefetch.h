@@ -55,6 +55,9 @@ struct kvp_item {
      * one root take turns). */
     uint32_t group;
     uint32_t client;
+    /* in, the queue engines only: the file's place in its request, 0 the first its
+     * consumer reads (it reads them in order: schedule.c's admission). */
+    uint32_t position;
 };
 
 /* Item flags.  KVP_ITEM_NOATIME: read through an O_NOATIME fd where the kernel

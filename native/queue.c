@@ -502,8 +502,9 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
     int64_t t = now_ns();
     struct spawn sp = { 0, 0 };
     /* A request's files (one group, one deadline, one root) are judged together,
-     * by the first of them: schedule.c's admission. */
-    struct judged { int root_fd; uint32_t client, group; int64_t deadline; int admit; };
+     * at the first of them, each then by its place: schedule.c's admission. */
+    struct judged { int root_fd; uint32_t client, group; int64_t deadline;
+                    struct kvp_judgement on; };
     struct judged last = { .root_fd = -1 };
     pthread_mutex_lock(&q->mu);
     for (size_t i = 0; i < n; i++) {
@@ -531,9 +532,9 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
                 || qi->it.group != last.group || qi->it.deadline_ns != last.deadline
                 || qi->it.group == 0)
                 last = (struct judged){ items[i].root_fd, qi->it.client, qi->it.group,
-                                        qi->it.deadline_ns,
-                                        kvp_sched_admit(r, qi->it.deadline_ns, t) };
-            if (!last.admit) {  /* cannot be read in time: expired now, unread */
+                                        qi->it.deadline_ns, kvp_sched_judge(r) };
+            if (!kvp_sched_admits(&last.on, qi->it.deadline_ns, qi->it.position, t)) {
+                /* cannot be read in time: expired now, unread */
                 settle(&qi->it, KVP_OUT_EXPIRED, 0);
                 done_push(q, qi);
                 continue;

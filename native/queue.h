@@ -53,6 +53,8 @@ int64_t kvp_depth_rtt_ns(const struct kvp_depth *d);
 /* A read's time lately, moved by every read (not once a window): what a file asked
  * for now waits, the tier's queue included (schedule.c's admission; 0: none yet). */
 int64_t kvp_depth_read_ns(const struct kvp_depth *d);
+/* The tier's fastest fetch remembered (0: none yet). */
+int64_t kvp_depth_floor_ns(const struct kvp_depth *d);
 
 /* ---- queue.c ------------------------------------------------------------ */
 struct qitem {
@@ -135,9 +137,19 @@ void kvp_list_push(struct qlist *l, struct qitem *it);
 void kvp_list_unlink(struct qlist *l, struct qitem *it);
 void kvp_sched_push(struct qroot *r, struct qitem *qi);
 void kvp_sched_unlink(struct qroot *r, struct qitem *qi);
-/* May a file of r with a deadline at deadline_ns, submitted at now, wait for a read?
- * 0: it cannot be read in time; the caller settles it EXPIRED at once. */
-int kvp_sched_admit(const struct qroot *r, int64_t deadline_ns, int64_t now);
+/* A request's judgement on r, made once for all its files (kvp_sched_judge), then
+ * applied to each by its place in the request (kvp_sched_admits). */
+struct kvp_judgement {
+    int64_t read_ns;   /* what a read takes on r now */
+    int64_t floor_ns;  /* the tier's fastest fetch: a consumer's own fetch at best */
+    int through;       /* nothing of r's is out: every file goes through */
+};
+struct kvp_judgement kvp_sched_judge(const struct qroot *r);
+/* May a file of a request with a deadline at deadline_ns, `position` files into it,
+ * submitted at now, wait for a read?  0: it cannot be read in time; the caller
+ * settles it EXPIRED at once. */
+int kvp_sched_admits(const struct kvp_judgement *j, int64_t deadline_ns, uint32_t position,
+                     int64_t now);
 /* May r start a read now: a file with a deadline waits (those go uncapped), or
  * one without does and the reads without one leave room under the depth. */
 int kvp_sched_ready(const struct qroot *r);

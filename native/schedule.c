@@ -12,12 +12,19 @@
  *   is who sent the request (the supervisor's number for a Unix peer's process or
  *   a TCP peer's address); the first KVP_QUEUE_MAX_CLIENTS a root sees are kept
  *   apart, later ones share the last slot.
- * - A request's files with a deadline are judged when they arrive, all at once
- *   (they share the request's deadline): when a read takes longer on the root
- *   now (an average moved by every read, the tier's own queue included:
- *   depthctl.c's read_ns) than is left to the deadline, none of them is read:
- *   they settle EXPIRED at once and the request is left to its consumer, taking
- *   no read ahead of a request that can still make it.  When none of the root's
+ * - A request's files with a deadline are judged when they arrive, together
+ *   (they share the request's deadline), each by its place in the request: its
+ *   consumer reads them in order, starting at the deadline, and for each file
+ *   it finds cold it fetches it itself, which takes at least the tier's fastest
+ *   fetch (depthctl.c's floor).  So file k is wanted no sooner than the deadline
+ *   plus k such fetches when the files before it are late.  When a read takes
+ *   longer on the root now (an average moved by every read, the tier's own
+ *   queue included: depthctl.c's read_ns) than is left until then, the file is
+ *   not read: it settles EXPIRED at once and is left to its consumer, taking no
+ *   read ahead of a request that can still make it.  A request whose first
+ *   file cannot make it may still have its later files warm when its consumer
+ *   gets to them (measured in the router replay, docs/bench/replay.md); one
+ *   whose read time is past every file's is refused whole.  When none of the root's
  *   reads is out and none waits, they go through whatever the average says, so
  *   it cannot stay stale.  On an overloaded tier this is what counts: the queue that decides
  *   is the tier's own, first come, first served, shared with the consumers, and
@@ -169,12 +176,22 @@ void kvp_sched_unlink(struct qroot *r, struct qitem *qi)
     r->ntimed -= deadline_of(qi) > 0;
 }
 
-int kvp_sched_admit(const struct qroot *r, int64_t deadline_ns, int64_t now)
+struct kvp_judgement kvp_sched_judge(const struct qroot *r)
 {
-    int64_t read_ns = kvp_depth_read_ns(&r->depth);
-    if (now + read_ns <= deadline_ns)
-        return 1;
-    return r->running - r->stalled == 0 && r->ntimed == 0;  /* nothing out: let it through */
+    return (struct kvp_judgement){
+        .read_ns = kvp_depth_read_ns(&r->depth),
+        .floor_ns = kvp_depth_floor_ns(&r->depth),
+        .through = r->running - r->stalled == 0 && r->ntimed == 0,  /* nothing out */
+    };
+}
+
+int kvp_sched_admits(const struct kvp_judgement *j, int64_t deadline_ns, uint32_t position,
+                     int64_t now)
+{
+    /* At best the consumer fetched each file before this one itself, at the tier's
+     * fastest: it reaches this one that much after the deadline, and no sooner. */
+    int64_t reached = deadline_ns + (int64_t)position * j->floor_ns;
+    return j->through || now + j->read_ns <= reached;
 }
 
 int kvp_sched_ready(const struct qroot *r)

@@ -163,7 +163,10 @@ def test_a_request_that_cannot_make_its_deadline_is_not_read_one_that_can_is_rea
         gated: tuple[Any, Path]) -> None:
     """Judged on arrival against the root's read time (HOLD_S, from the gate's read): a
     request due sooner settles EXPIRED at once, unread; one due later starts all its files
-    at once, past the root's depth, while a file without a deadline waits for it."""
+    at once, past the root's depth, while a file without a deadline waits for it. Each
+    file by its place: in a request due as soon, numbered, the first expires, but its
+    consumer, fetching it itself (the tier's fastest fetch: HOLD_S too), reaches the
+    second and third late enough for a read: those are read."""
     tier, mountpoint = gated
     root_fd = open_root(mountpoint)
     queue = new_queue(initial_depth=1, max_threads=8)
@@ -173,10 +176,12 @@ def test_a_request_that_cannot_make_its_deadline_is_not_read_one_that_can_is_rea
     settled: dict[str, tuple[str, int]] = {}
     batches: list[Batch] = []
 
-    def submit(rels: Sequence[str], group: int, deadline_ns: int = 0) -> None:
+    def submit(rels: Sequence[str], group: int, deadline_ns: int = 0,
+               numbered: bool = False) -> None:
         batch = Batch(root_fd, rels, 4 * KiB)
-        for item in batch.items[0:batch.n]:
+        for position, item in enumerate(batch.items[0:batch.n]):
             item.group, item.client, item.deadline_ns = group, 1, deadline_ns
+            item.position = position if numbered else 0
         batches.append(batch)
         tags = ffi.new("uint64_t[]", list(range(len(names), len(names) + batch.n)))
         names.extend(rels)
@@ -217,14 +222,18 @@ def test_a_request_that_cannot_make_its_deadline_is_not_read_one_that_can_is_rea
         reap(tick=False)  # settled by the submit itself, not by a sweep
         assert {name: settled.get(name) for name in files("c")} == {
             name: ("EXPIRED", 0) for name in files("c")}
+        submit(files("e"), group=6, deadline_ns=now + int(HOLD_S / 2 * 1e9), numbered=True)
+        reap(tick=False)
+        assert {name: settled.get(name) for name in files("e")} == {
+            "files/e0": ("EXPIRED", 0), "files/e1": None, "files/e2": None}
         submit(files("b"), group=4, deadline_ns=now + 60 * 10**9)
         submit(["files/d0"], group=5)  # no deadline: held by the depth
-        until(lambda: stats().running == depth + 3, "b's reads started past the depth")
+        until(lambda: stats().running == depth + 5, "b's and e's reads started past the depth")
         assert stats().root_depth[0] == depth and stats().pending == 1
         tier.release()
         until(lambda: len(settled) == len(names), "everything settled")
     finally:
         tier.release()
         os.close(root_fd)
-    read = [*files("a")[:depth], *files("b"), "files/d0"]
+    read = [*files("a")[:depth], *files("b"), *files("e")[1:], "files/d0"]
     assert {name: settled[name][0] for name in read} == dict.fromkeys(read, "READ")

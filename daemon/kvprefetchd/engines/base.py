@@ -61,6 +61,7 @@ class WarmItem:
     # (the worker numbers them, a later one is newer; 0: none) and who sent it.
     group: int = 0
     client: int = 0
+    position: int = 0  # its place in the request: its consumer reads them in order
 
 
 @dataclass(slots=True)  # one per file on the hot path: no frozen __setattr__ detour
@@ -216,6 +217,7 @@ def native_batch(ffi: Any, items: list[WarmItem]) -> tuple[Any, Any]:
         entry.flags = item.flags
         entry.group = item.group
         entry.client = item.client
+        entry.position = item.position
         offset += len(item.relative) + 1
     return native, names
 
