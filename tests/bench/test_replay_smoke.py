@@ -97,8 +97,9 @@ def test_load_warm_files_and_deltas(big: replay_stream.Stream) -> None:
 
 
 def test_where_an_open_costs_the_tier_the_load_counts_it(big: replay_stream.Stream) -> None:
-    """On s3fs a warm file's open costs the endpoint about what a small cold fetch does:
-    the same load then offers fewer requests, and the offered work still comes to it."""
+    """On s3fs each open of a warm file costs the endpoint two HEADs: counted (here at the
+    cold rate), the same load offers fewer requests, and the offered work still comes to
+    it."""
     costly = stream(SPEC, load=1.5, capacity=150, duration_s=20, warm_capacity=150)
     assert costly.offered == pytest.approx(1.5, rel=0.01)
     opens = sum(len(r.files) for r in costly.requests) - costly.new_files

@@ -163,7 +163,9 @@ def test_s3fs_kernel_cache_files_found_warm_are_held_and_their_consumer_sends_no
             assert outcomes["resident"] >= (1 if round_ == "first" else FILES // 2), reply
             wait_for(lambda: held_files(daemon) == FILES, daemon)
             sent = sent_by_opening_and_reading(paths, proxy)  # the consumer: this process
-            assert sent["HEAD"] == sent["GET"] == 0, (round_, sent)
+            # No HEAD: every open found its file open. (A GET would be the host's reclaimer
+            # taking pages of a file s3fs keeps no copy of, which says nothing of the hold.)
+            assert sent["HEAD"] == 0, (round_, sent)
             opened += FILES
             wait_for(lambda: released_on_open(daemon) == opened  # noqa: B023
                      and held_files(daemon) == 0, daemon)
