@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,12 +78,16 @@ def parallel_read(paths: Sequence[str], head: int, threads: int) -> float:
     return time.perf_counter() - started
 
 
-def sequential_read(paths: Sequence[str], head: int) -> float:
-    buffer = bytearray(min(head, 1 << 20))
+def sequential_read(paths: Sequence[str], head: int,
+                    look: Callable[[int], int] | None = None) -> tuple[float, int]:
+    """Read the heads of `paths` one after another, as one loader thread does: the wall
+    seconds, and the bytes `look` found near, given each fd between its open and its first
+    read (0 without a look)."""
+    buffer, near = bytearray(min(head, 1 << 20)), 0
     started = time.perf_counter()
     for path in paths:
-        read_head(path, head, buffer)
-    return time.perf_counter() - started
+        near += max(0, read_head(path, head, buffer, look))
+    return time.perf_counter() - started, near
 
 
 def capacity(tier: Tier, paths: Sequence[str], head: int, threads: int) -> dict[str, Any]:
@@ -112,8 +116,8 @@ def references(tier: Tier, requests: Sequence[Request], head: int) -> dict[str, 
     cold, warm = [], []
     for request in requests:
         paths = [tier.path(f) for f in request.files]
-        cold.append(sequential_read(paths, head))
-        warm.append(sequential_read(paths, head))
+        cold.append(sequential_read(paths, head)[0])
+        warm.append(sequential_read(paths, head)[0])
     tier.cold()
     return {"requests": len(requests), "cold_s": sorted(cold)[len(cold) // 2],
             "warm_s": sorted(warm)[len(warm) // 2]}
@@ -177,15 +181,11 @@ def consume(request: Request, paths: Sequence[str], tier: Tier, head: int, clock
             due: float, records: dict[int, dict[str, float]]) -> None:
     """The GPU's loader for one request (module docstring)."""
     started = clock.now()
-    buffer, warm = bytearray(min(head, 1 << 20)), 0
 
     def look(fd: int) -> int:
         return tier.resident(fd, head)
 
-    began = time.perf_counter()
-    for path in paths:
-        warm += max(0, read_head(path, head, buffer, look))
-    read_s = time.perf_counter() - began
+    read_s, warm = sequential_read(paths, head, look)
     records[request.index] = {"late_s": started - due, "warm_bytes": warm, "read_s": read_s}
 
 

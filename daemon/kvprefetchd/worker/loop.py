@@ -282,7 +282,7 @@ class Worker:
                 continue
             queue.append(WarmItem(root_fd, self.rules[root_index], relative, depth, key,
                                   received, deadline, flags | hold if tier.hold else flags,
-                                  group, client, index))
+                                  group, client, position=index))
 
     def inspect(self, message: Check | Evict) -> None:
         """check or evict: look at each file (kvp_inspect) and report its state and
