@@ -3,6 +3,7 @@ mount's options make of its profile (tiers.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,28 @@ def test_the_fuse_server_is_the_process_whose_command_line_names_the_mount(
     assert (server, positional[0]) == ("s3fs", "kvcache")
     assert fuse_server("/mnt/rc/", str(proc))[0] == "rclone"
     assert fuse_server("/mnt/none", str(proc)) == ("", {}, ())
+
+
+def test_the_fuse_server_is_the_one_holding_dev_fuse_not_another_naming_the_mount(
+        tmp_path: Path) -> None:
+    """This daemon names its roots on its command line too: with a lower pid (pids wrap)
+    it was taken for the server, and s3fs lost its mount options (`kernel_cache`)."""
+    proc = tmp_path / "proc"
+    processes = (("12", ["kvprefetchd", "--root", "/mnt/s3"], "/dev/null"),
+                 ("42", ["/usr/bin/s3fs", *S3FS], "/dev/fuse"))
+    for pid, argv, fd in processes:
+        (proc / pid / "fd").mkdir(parents=True)
+        (proc / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        (proc / pid / "fd" / "3").symlink_to(fd)
+    server, options, _ = fuse_server("/mnt/s3", str(proc))
+    assert server == "s3fs" and options["url"] == "http://127.0.0.1:9000"
+    # Fds not to be looked at: the first process outside this one's session stands in.
+    (proc / "12" / "fd" / "3").unlink()
+    (proc / "12" / "fd").rmdir()
+    (proc / "12" / "stat").write_text(f"12 (kvprefetchd) S 1 12 {os.getsid(0)} 0\n")
+    (proc / "42" / "fd" / "3").unlink()
+    (proc / "42" / "fd").rmdir()
+    assert fuse_server("/mnt/s3", str(proc))[0] == "s3fs"
 
 
 def test_the_docs_table_says_what_each_profile_says() -> None:

@@ -243,13 +243,20 @@ def fuse_limits(connection: str) -> tuple[int, int]:
 def fuse_server(mount_point: str, proc: str = "/proc",
                 ) -> tuple[str, dict[str, str], tuple[str, ...]]:
     """The command, options and positional arguments of the process serving a FUSE
-    mount: the one whose command line names the mount point. ("", {}, ()) when none in
-    this pid namespace does (a FUSE server in another container)."""
+    mount: one whose command line names the mount point and that holds /dev/fuse open.
+    Other processes name it too: this daemon itself (`--root /mnt/s3`), a shell, a
+    router; taking the first by pid took this daemon's own command line for the server's
+    whenever pids had wrapped (the s3fs profile then lost `kernel_cache`). Where a
+    process's fds cannot be looked at (another user's, unprivileged), the first such
+    process outside this one's session stands in. ("", {}, ()) when none in this pid
+    namespace names it (a FUSE server in another container)."""
     wanted = mount_point
     try:
-        pids = [name for name in os.listdir(proc) if name.isdigit()]
+        pids = sorted((name for name in os.listdir(proc) if name.isdigit()), key=int)
     except OSError:
         return "", {}, ()
+    own_session = os.getsid(0)
+    stand_in: tuple[str, dict[str, str], tuple[str, ...]] | None = None
     for pid in pids:
         try:
             with open(os.path.join(proc, pid, "cmdline"), "rb") as handle:
@@ -259,9 +266,42 @@ def fuse_server(mount_point: str, proc: str = "/proc",
         argv = [arg.decode("utf-8", "replace") for arg in raw.split(b"\0") if arg]
         if len(argv) < 2 or not any(_same_path(arg, wanted) for arg in argv[1:]):
             continue
+        serves = _holds_dev_fuse(os.path.join(proc, pid))
+        if serves is False:
+            continue
         options, positional = parse_command_line(argv[1:])
-        return os.path.basename(argv[0]), options, tuple(positional)
-    return "", {}, ()
+        found = (os.path.basename(argv[0]), options, tuple(positional))
+        if serves:
+            return found
+        if stand_in is None and _session(os.path.join(proc, pid)) != own_session:
+            stand_in = found
+    return stand_in or ("", {}, ())
+
+
+def _holds_dev_fuse(process: str) -> bool | None:
+    """Whether the process has /dev/fuse open (None: its fds cannot be looked at)."""
+    fds = os.path.join(process, "fd")
+    try:
+        names = os.listdir(fds)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            if os.readlink(os.path.join(fds, name)) == "/dev/fuse":
+                return True
+        except OSError:
+            continue  # closed meanwhile
+    return False
+
+
+def _session(process: str) -> int:
+    """The process's session id from its stat (-1: not known)."""
+    try:
+        with open(os.path.join(process, "stat"), "rb") as handle:
+            fields = handle.read(4096).rpartition(b")")[2].split()
+        return int(fields[3])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 # Long flags that take a value in the next argument (rclone's, of those a profile reads or
