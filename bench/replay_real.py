@@ -92,9 +92,12 @@ def mounted(kind: str, spec: replay_stream.StreamSpec, base: Path, workdir: Path
     if kind == "tiersim":
         root = replay_stream.ensure_backing(spec, base)
         with tiersim.mount(root, workdir / "mnt", latency_ms=latency_ms, slots=slots) as tier:
+            # fusectl as systemd mounts it: the daemon judges admission by its count
+            counted = (realtier.fuse_connection(workdir / "mnt") / "waiting").exists()
             yield SimTier(tier, replay_stream.paths_under(root, files)), {
                 "kind": kind, "latency_ms": latency_ms, "slots": slots,
-                "ideal_files_per_s": slots / (latency_ms / 1000) if slots else None}
+                "ideal_files_per_s": slots / (latency_ms / 1000) if slots else None,
+                "fusectl": counted}
         return
     if kind != "s3fs":
         raise ValueError(f"no tier {kind!r}: {TIERS}")

@@ -463,12 +463,19 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def fuse_limits(mountpoint: Path) -> dict[str, int | None]:
-    """The mount's FUSE connection limits from fusectl (mounted here when it is not)."""
+def fuse_connection(mountpoint: Path | str) -> Path:
+    """The FUSE mount's fusectl directory, fusectl mounted here when it is not (as
+    systemd mounts it at boot): its limits, and the `waiting` count the daemon judges
+    admission by (native/gauge.c). It may not exist (not root, not FUSE)."""
     if not FUSECTL.is_dir() or not any(FUSECTL.iterdir()):
         subprocess.run(["mount", "-t", "fusectl", "none", str(FUSECTL)], check=False,
                        capture_output=True)
-    connection = FUSECTL / str(os.stat(mountpoint).st_dev)
+    return FUSECTL / str(os.minor(os.stat(mountpoint).st_dev))
+
+
+def fuse_limits(mountpoint: Path) -> dict[str, int | None]:
+    """The mount's FUSE connection limits from fusectl (mounted here when it is not)."""
+    connection = fuse_connection(mountpoint)
     limits: dict[str, int | None] = {}
     for name in ("max_background", "congestion_threshold"):
         try:
