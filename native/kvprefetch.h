@@ -173,6 +173,8 @@ struct kvp_queue_stats {
     int32_t root_fd[16];     /* KVP_QUEUE_STATS_ROOTS: per root, its fd, depth, service time */
     uint32_t root_depth[16];
     uint32_t root_rtt_us[16];
+    uint32_t root_served[16];  /* requests a second its tier answers, as its gauge learned
+                                  (kvp_queue_root_gauge; 0: none, or nothing learned yet) */
 };
 
 struct kvp_queue;
@@ -197,6 +199,12 @@ void kvp_queue_tick(struct kvp_queue *q);
  * file system's start.  Applied while the root has nothing pending or running; 0 leaves
  * it as it is. */
 void kvp_queue_root_depth(struct kvp_queue *q, int root_fd, uint32_t initial);
+/* Judge the root's requests by its tier's own count of requests not answered yet:
+ * connection is its FUSE connection's fusectl directory (/sys/fs/fuse/connections/N,
+ * whose `waiting` is read; gauge.c).  0, or -errno from reading it (ENOENT: fusectl
+ * not mounted; EACCES: the mount is another user's); -ENOSPC when the root shares
+ * the queue's last slot with others. */
+int kvp_queue_root_gauge(struct kvp_queue *q, int root_fd, const char *connection);
 void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out);
 
 /* inotify for held files (watch.c): a non-blocking inotify fd (-errno on failure); a

@@ -127,6 +127,7 @@ static struct qroot *root_of(struct kvp_queue *q, int fd)
     memset(r, 0, sizeof *r);
     r->fd = fd;
     kvp_depth_init(&r->depth, q->cfg.initial_depth, q->cfg.max_threads);
+    kvp_gauge_init(&r->gauge);
     return r;
 }
 
@@ -225,7 +226,7 @@ static void lane_take(struct kvp_queue *q, struct qitem *qi, struct spawn *sp)
  * bytes are thrown away, so threads may overwrite each other's data; sixteen
  * buffers keep two cores off the same cache lines while a thousand threads
  * cost sixteen chunks of memory, not a thousand. */
-static void process(struct kvp_queue *q, struct qitem *qi)
+static void process(struct kvp_queue *q, struct qitem *qi, const struct kvp_gauge *gauge)
 {
     struct kvp_ctx *c = qi->other_mount ? &q->across : &q->base;
     char *buf = q->scratch + (size_t)(qi->seq % KVP_QUEUE_SCRATCH) * c->cfg.chunk;
@@ -237,6 +238,16 @@ static void process(struct kvp_queue *q, struct qitem *qi)
                            (qi->it.flags & KVP_ITEM_HOLD) ? &qi->held_fd : NULL);
     if (fd < 0)
         return;
+    if (gauge && qi->ahead >= 0) {
+        /* What is ahead of its read as it goes to the tier, the open done: other readers
+         * (the other workers, the consumers) may have gone since it was admitted, and
+         * a burst's reads are in by now.  Not less than at its admission: its request's
+         * files admitted before it may not have reached the tier yet. */
+        int64_t waiting = kvp_gauge_waiting(gauge);
+        if (waiting > qi->ahead)
+            qi->ahead = waiting > INT32_MAX ? INT32_MAX : (int32_t)waiting;
+        qi->asked = now_ns();
+    }
     if (c->engine->warm(c, &qi->it, fd, span, buf) == 0 && (qi->it.flags & KVP_ITEM_HOLD))
         qi->held_fd = fd;  /* the reaper's now (serve() closes it if nobody will reap it) */
     else
@@ -323,10 +334,11 @@ static void serve(struct kvp_queue *q, int lane)
             lane_spawn(q, &sp);
         else
             maybe_spawn(q, &sp);
+        struct kvp_gauge gauge = r->gauge;  /* its fd stays while the queue does */
         pthread_mutex_unlock(&q->mu);
         start_threads(q, &sp);
 
-        process(q, qi);
+        process(q, qi, lane || gauge.fd < 0 ? NULL : &gauge);
 
         int64_t finished = now_ns();
         pthread_mutex_lock(&q->mu);
@@ -341,9 +353,13 @@ static void serve(struct kvp_queue *q, int lane)
             (*stalled)--;
         /* Only reads that did I/O tell the depth anything: a resident check or
          * a missing file costs microseconds whatever the depth. */
-        if (qi->it.outcome == KVP_OUT_READ && qi->it.done > 0)
+        if (qi->it.outcome == KVP_OUT_READ && qi->it.done > 0) {
             kvp_depth_sample(depth, finished - qi->started, *running - (lane ? 0 : *stalled) + 1,
                              backlog_of(q, qi), finished);
+            if (!lane && qi->asked > 0)  /* counted as it went to the tier (process) */
+                kvp_gauge_sample(&r->gauge, qi->ahead, finished - qi->asked,
+                                 kvp_depth_floor_ns(&r->depth), finished);
+        }
         if (qi->abandoned) {
             if (qi->held_fd >= 0)
                 close(qi->held_fd);
@@ -421,6 +437,8 @@ void kvp_queue_free(struct kvp_queue *q)
         kvp_list_unlink(&q->lane.pending, it);
         free(it);
     }
+    for (uint32_t i = 0; i < q->nroots; i++)
+        kvp_gauge_close(&q->roots[i].gauge);
     pthread_attr_destroy(&q->attr);
     if (q->efd >= 0)
         close(q->efd);
@@ -496,6 +514,15 @@ int kvp_queue_fd(const struct kvp_queue *q)
     return q->efd;
 }
 
+/* Whether it is a file of the request (root, client, group, deadline): one judgement.
+ * Group 0 names no request: each of its files is judged alone. */
+static int same_request(const struct kvp_item *it, int root_fd, uint32_t client, uint32_t group,
+                        int64_t deadline)
+{
+    return it->root_fd == root_fd && it->client == client && it->group == group
+           && it->deadline_ns == deadline && group != 0;
+}
+
 size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const uint64_t *tags,
                         size_t n)
 {
@@ -516,6 +543,7 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
         }
         memset(qi, 0, sizeof *qi);
         qi->held_fd = -1;
+        qi->ahead = -1;
         memcpy(qi->rel, items[i].rel ? items[i].rel : "", len + 1);
         qi->it = items[i];
         qi->it.rel = qi->rel;
@@ -528,12 +556,17 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
         struct qroot *r = root_of(q, items[i].root_fd);
         qi->root = (uint16_t)(r - q->roots);
         if (qi->it.deadline_ns > 0) {
-            if (items[i].root_fd != last.root_fd || qi->it.client != last.client
-                || qi->it.group != last.group || qi->it.deadline_ns != last.deadline
-                || qi->it.group == 0)
+            if (!same_request(&items[i], last.root_fd, last.client, last.group, last.deadline)) {
+                uint32_t files = 1;
+                while (i + files < n && same_request(&items[i + files], items[i].root_fd,
+                                                     items[i].client, items[i].group,
+                                                     items[i].deadline_ns))
+                    files++;
                 last = (struct judged){ items[i].root_fd, qi->it.client, qi->it.group,
-                                        qi->it.deadline_ns, kvp_sched_judge(r) };
-            if (!kvp_sched_admits(&last.on, qi->it.deadline_ns, qi->it.position, t)) {
+                                        qi->it.deadline_ns,
+                                        kvp_sched_judge(r, qi->it.deadline_ns, files, t) };
+            }
+            if (!kvp_sched_admits(&last.on, qi->it.deadline_ns, qi->it.position, t, &qi->ahead)) {
                 /* cannot be read in time: expired now, unread */
                 settle(&qi->it, KVP_OUT_EXPIRED, 0);
                 done_push(q, qi);
@@ -631,6 +664,15 @@ void kvp_queue_root_depth(struct kvp_queue *q, int root_fd, uint32_t initial)
     pthread_mutex_unlock(&q->mu);
 }
 
+int kvp_queue_root_gauge(struct kvp_queue *q, int root_fd, const char *connection)
+{
+    pthread_mutex_lock(&q->mu);
+    struct qroot *r = root_of(q, root_fd);
+    int rc = r->fd == root_fd ? kvp_gauge_open(&r->gauge, connection) : -ENOSPC;
+    pthread_mutex_unlock(&q->mu);
+    return rc;
+}
+
 void kvp_queue_tick(struct kvp_queue *q)
 {
     int64_t t = now_ns();
@@ -716,6 +758,7 @@ void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
             out->root_fd[i] = r->fd;
             out->root_depth[i] = kvp_depth_limit(&r->depth);
             out->root_rtt_us[i] = (uint32_t)(kvp_depth_rtt_ns(&r->depth) / 1000);
+            out->root_served[i] = (uint32_t)(r->gauge.rate + 0.5);
             out->nroots = i + 1;
         }
     }

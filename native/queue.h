@@ -56,6 +56,26 @@ int64_t kvp_depth_read_ns(const struct kvp_depth *d);
 /* The tier's fastest fetch remembered (0: none yet). */
 int64_t kvp_depth_floor_ns(const struct kvp_depth *d);
 
+/* ---- gauge.c: when a read asked for now would be back, from the tier's count -- */
+struct kvp_gauge {
+    int fd;                /* the FUSE connection's fusectl directory (O_PATH), -1: none */
+    double rate;           /* requests a second the tier answers (0: not learned yet) */
+    int64_t sampled_ns;    /* when a read last taught it (CLOCK_MONOTONIC) */
+};
+
+void kvp_gauge_init(struct kvp_gauge *g);
+/* Count by the FUSE connection's fusectl directory (/sys/fs/fuse/connections/N): 0,
+ * or -errno (fusectl not mounted, not readable): the root then has no gauge. */
+int kvp_gauge_open(struct kvp_gauge *g, const char *connection);
+void kvp_gauge_close(struct kvp_gauge *g);
+/* The tier's requests not answered yet, every reader's; -1 when there is no gauge. */
+int64_t kvp_gauge_waiting(const struct kvp_gauge *g);
+/* A read asked for with `ahead` requests before it took service_ns. */
+void kvp_gauge_sample(struct kvp_gauge *g, int64_t ahead, int64_t service_ns, int64_t floor_ns,
+                      int64_t now);
+/* When a read asked for now, behind `ahead` requests, is back (g->rate > 0). */
+int64_t kvp_gauge_back_ns(const struct kvp_gauge *g, int64_t ahead, int64_t floor_ns);
+
 /* ---- queue.c ------------------------------------------------------------ */
 struct qitem {
     struct kvp_item it;      /* it.rel points at rel[] below */
@@ -69,6 +89,8 @@ struct qitem {
     uint8_t client;          /* its client's slot in its root (schedule.c) */
     uint8_t timed_live;      /* running, with a deadline, not stalled: in its root's timed_live */
     int held_fd;             /* KVP_ITEM_HOLD: the fd a READ kept open for the reaper, else -1 */
+    int32_t ahead;           /* the tier's requests before its read (gauge.c), -1: unknown */
+    int64_t asked;           /* when its read went to the tier, ahead counted (ns) */
     struct qitem *next, *prev;
     char rel[];
 };
@@ -98,6 +120,7 @@ struct qroot {
     uint32_t ntimed;         /* of npending, files with a deadline (admitted: schedule.c) */
     uint32_t timed_live;     /* of running - stalled, reads of files with a deadline */
     struct kvp_depth depth;
+    struct kvp_gauge gauge;  /* the tier's own count, where it keeps one (FUSE) */
 };
 
 /* The other-mount lane (queue.c's header): one FIFO for every root's names behind
@@ -143,13 +166,24 @@ struct kvp_judgement {
     int64_t read_ns;   /* what a read takes on r now */
     int64_t floor_ns;  /* the tier's fastest fetch: a consumer's own fetch at best */
     int through;       /* nothing of r's is out: every file goes through */
+    /* Where the tier keeps a count (gauge.c), the request is judged by it instead: */
+    const struct kvp_gauge *gauge;  /* NULL: judged by read_ns */
+    int64_t waiting;   /* the tier's requests not answered when judged */
+    int whole;         /* every file would be back by the deadline: all go */
+    int partial;       /* not whole, but the tier's queue is short and the consumer far */
+    int64_t reach;     /* partial: when the consumer gets to the next file, at the soonest */
+    int probe;         /* the rate is stale and nothing is out: the first file goes */
+    uint32_t admitted; /* files let through so far */
 };
-struct kvp_judgement kvp_sched_judge(const struct qroot *r);
-/* May a file of a request with a deadline at deadline_ns, `position` files into it,
- * submitted at now, wait for a read?  0: it cannot be read in time; the caller
- * settles it EXPIRED at once. */
-int kvp_sched_admits(const struct kvp_judgement *j, int64_t deadline_ns, uint32_t position,
-                     int64_t now);
+/* r's judgement of a request of `files` files (those of it on r in this batch) with a
+ * deadline at deadline_ns, asked for at now. */
+struct kvp_judgement kvp_sched_judge(const struct qroot *r, int64_t deadline_ns, uint32_t files,
+                                     int64_t now);
+/* May the request's next file, `position` files into it, wait for a read?  0: it
+ * cannot be read in time; the caller settles it EXPIRED at once.  *ahead: the tier's
+ * requests before it (gauge.c's sample), -1 unknown.  Called for the files in order. */
+int kvp_sched_admits(struct kvp_judgement *j, int64_t deadline_ns, uint32_t position,
+                     int64_t now, int32_t *ahead);
 /* May r start a read now: a file with a deadline waits (those go uncapped), or
  * one without does and the reads without one leave room under the depth. */
 int kvp_sched_ready(const struct qroot *r);

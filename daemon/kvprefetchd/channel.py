@@ -163,6 +163,7 @@ class RootTier:
     # (residency.RootRule.start_depth): a FUSE mount's share of max_background, past
     # which reads only queue in the kernel; a network file system's share of a deep start.
     depth: int = 0
+    gauge: str = ""  # a FUSE connection's fusectl dir: admission by its count (gauge.c)
 
 
 @dataclass(slots=True)
@@ -338,7 +339,7 @@ def _fields(message: Message) -> list[Any]:
     if isinstance(message, Root):
         tier = message.tier
         return [message.index, message.rule, tier.keep, tier.whole, tier.fs_cache, tier.hold,
-                tier.depth, 0 if message.fd >= 0 else -1]  # the fd goes beside (SCM_RIGHTS)
+                tier.depth, tier.gauge, -1 if message.fd < 0 else 0]  # fd: SCM_RIGHTS
     if isinstance(message, Done):
         s, lk = message.settled, message.looked
         names, codes = _columns(s.outcomes)
@@ -362,7 +363,7 @@ def _message(kind: type[Message], raw: list[Any]) -> Message:
     if kind is Warm or kind is Check or kind is Evict:
         return kind(Share(raw[0], raw[1]), *raw[2:])
     if kind is Root:
-        return Root(raw[0], raw[1], RootTier(*raw[2:7]), raw[7])
+        return Root(raw[0], raw[1], RootTier(*raw[2:8]), raw[8])
     if kind is Done:
         settled, looked = Settled(), Looked()
         tickets, names, codes, nbytes, errnos = raw[0]

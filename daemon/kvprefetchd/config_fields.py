@@ -52,6 +52,7 @@ class ConfigFields:
     worker_nice: int = 19
     worker_batch: bool = True
     check_before_open: bool = False
+    admit_by_tier_count: bool = True
     dedup_ttl_ms: int = 1000
     dedup_entries: int = 65536
     dedup_bytes: int = 16777216

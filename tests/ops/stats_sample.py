@@ -95,7 +95,7 @@ def realistic_stats() -> Stats:
                                              "replaced", "evicted", "closed"), 0),
              "queue": {"threads": 24, "running": 3, "stalled": 1, "timed_out": 0,
                        "other_mount_threads": 4, "other_mount_stuck": 2,
-                       "other_mount_refused": 5, "depth": {"0": [64, 1200]}}},
+                       "other_mount_refused": 5, "depth": {"0": [64, 1200, 80]}}},
             {"rss_bytes": 19_000_000, "cpu_seconds": 0.5, "open_fds": 7, "index": 1,
              "pid": 102, "ready": False, "engine": "", "queue_depth": 0,
              "queue_limit": 8192, "restarts": 0, "silent_s": 0.0, "batches": 0,

@@ -152,6 +152,20 @@ def test_a_fuse_root_starts_each_worker_at_its_share_of_max_background() -> None
     assert RootState(0, "/kv", "auto", workers=2, rule=local).tier.depth == 0
 
 
+def test_a_fuse_root_hands_its_workers_the_connection_that_counts_its_requests() -> None:
+    """Admission judges a FUSE root by its connection's `waiting` (native/gauge.c): the
+    worker is told where; a root on any other file system keeps no such count."""
+    from kvprefetchd.roots.rootset import RootState
+
+    facts = MountFacts(max_background=12, connection="/sys/fs/fuse/connections/41")
+    fuse = rule_of("/mnt/s3", "fuse.s3fs", "auto", facts=facts)
+    assert RootState(0, "/mnt/s3", "auto", workers=2, rule=fuse).tier.gauge == \
+        "/sys/fs/fuse/connections/41"
+    for fstype in ("ext4", "nfs4", "lustre"):
+        rule = rule_of("/kv", fstype, "auto", facts=facts)
+        assert RootState(0, "/kv", "auto", workers=2, rule=rule).tier.gauge == ""
+
+
 def test_a_network_root_starts_deep_and_a_local_one_at_initial_depth() -> None:
     """No ramp on a tier whose reads wait on a server (issue 25): its start is trusted
     from the profile; a local root climbs from initial_depth in microseconds."""

@@ -65,7 +65,9 @@ class QueueStats(TypedDict, total=False):
     running: int  # reads in flight
     stalled: int  # reads running past the stall time (holding threads, not depth)
     timed_out: int  # files settled `failed` at file_timeout since the worker started
-    depth: dict[str, list[int]]  # root index -> [reads in flight allowed, service time us]
+    # root index -> [reads in flight allowed, service time us, requests a second its tier
+    # answers as the FUSE connection's gauge learned (0: no gauge)]
+    depth: dict[str, list[int]]
     # The lane for files behind another mount beneath their root (other_mount_threads):
     other_mount_threads: int  # its threads now
     other_mount_stuck: int  # of them, held by a read past its stall time

@@ -12,6 +12,7 @@ files are out (stalled reads stop holding depth, late files fail).
 from __future__ import annotations
 
 import errno
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,9 @@ class QueueFigures:
     running: int
     stalled: int
     timed_out: int
-    depth: dict[int, tuple[int, int]]  # root fd -> (reads in flight allowed, service time us)
+    # root fd -> (reads in flight allowed, service time us, requests a second its tier
+    # answers as its gauge learned: 0 none, native/gauge.c)
+    depth: dict[int, tuple[int, int, int]]
     # The lane for files behind another mount beneath their root (native/queue.c): its
     # threads, those stuck (reading past its stall time), and the files it refused
     # because every thread was stuck.
@@ -120,6 +123,13 @@ class QueueEngine(NativeEngine):
         """The reads in flight root_fd starts from (native kvp_queue_root_depth)."""
         self._native.lib.kvp_queue_root_depth(self._queue, root_fd, initial)
 
+    def root_gauge(self, root_fd: int, connection: str) -> int:
+        """Judge root_fd's requests by its FUSE connection's count of requests not
+        answered (native kvp_queue_root_gauge): 0, or the errno that kept it from being
+        read."""
+        return -int(self._native.lib.kvp_queue_root_gauge(self._queue, root_fd,
+                                                          os.fsencode(connection)))
+
     def tick(self) -> None:
         self._native.lib.kvp_queue_tick(self._queue)
 
@@ -127,7 +137,8 @@ class QueueEngine(NativeEngine):
         ffi, lib = self._native.ffi, self._native.lib
         stats: Any = ffi.new("struct kvp_queue_stats *")
         lib.kvp_queue_stats(self._queue, stats)
-        depth = {int(stats.root_fd[i]): (int(stats.root_depth[i]), int(stats.root_rtt_us[i]))
+        depth = {int(stats.root_fd[i]): (int(stats.root_depth[i]), int(stats.root_rtt_us[i]),
+                                         int(stats.root_served[i]))
                  for i in range(stats.nroots)}
         return QueueFigures(int(stats.threads), int(stats.pending), int(stats.running),
                             int(stats.stalled), int(stats.timed_out), depth,

@@ -83,7 +83,9 @@ def _fuse_problems(connection: str, limits: tuple[int, int]) -> list[dict[str, s
     max_background, _ = limits
     if not max_background:
         return [{"severity": "info",
-                 "problem": "the FUSE connection's limits cannot be read",
+                 "problem": "the FUSE connection's limits and count cannot be read: "
+                            "requests are admitted by the root's own read times, which "
+                            "lag the tier's queue (docs/protocol.md, Order)",
                  "fix": f"mount -t fusectl none {FUSECTL}"}]
     if max_background <= FUSE_DEFAULT_MAX_BACKGROUND:
         return [{"severity": "warning",

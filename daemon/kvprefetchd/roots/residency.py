@@ -76,6 +76,14 @@ class RootRule:
         return NETWORK_START_DEPTH if self.fstype in NETWORK_FILESYSTEMS else 0
 
     @property
+    def gauge(self) -> str:
+        """The FUSE connection's fusectl directory, whose `waiting` counts the requests
+        not answered yet, every reader's: admission judges by it where the tier keeps
+        one (native/gauge.c). "" on other file systems; named even when fusectl is not
+        mounted (the worker's open then fails, and the root goes on without)."""
+        return self.facts.connection if self.fstype.startswith("fuse") else ""
+
+    @property
     def hold(self) -> bool:
         return self.profile.hold
 

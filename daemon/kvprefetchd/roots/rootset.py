@@ -93,7 +93,7 @@ class RootState:
         if self.rule is None:
             return RootTier()
         return RootTier(self.rule.keep, self.rule.whole, self.rule.fs_cache, self.rule.hold,
-                        -(-self.rule.start_depth // self.workers))
+                        -(-self.rule.start_depth // self.workers), self.rule.gauge)
 
     @property
     def futile(self) -> bool:

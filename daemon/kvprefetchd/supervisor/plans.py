@@ -55,6 +55,7 @@ def worker_plan(config: Config, roots: RootSet, engines: dict[str, tuple[EngineS
             other_mount_threads=config.other_mount_threads,
         ),
         check_before_open=config.check_before_open,
+        admit_by_tier_count=config.admit_by_tier_count,
         dedup_ttl=config.dedup_ttl_ms / 1000.0,
         dedup_entries=config.dedup_entries,
         dedup_bytes=config.dedup_bytes,

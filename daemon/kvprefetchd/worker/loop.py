@@ -76,7 +76,7 @@ class Worker:
         self.counters = {
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0,
             "probed_resident": 0, "probed_missing": 0, "checked": 0, "evicted": 0,
-            "noatime_fallbacks": 0,
+            "noatime_fallbacks": 0, "gauges": 0, "gauges_missing": 0,
         }
         self.native = load_native()
         self.prober = Prober(self.native, self.root_fds, self.rules,
@@ -345,11 +345,18 @@ class Worker:
 
     def hint_depths(self, engine: QueueEngine) -> None:
         """Start each FUSE or network root at the depth its profile trusts (RootTier.depth)
-        in this queue, once per queue and root directory: no ramp on a slow tier."""
+        in this queue, once per queue and root directory: no ramp on a slow tier. And
+        where the tier counts its requests (RootTier.gauge), admission judges by the
+        count: a root's own reads tell the tier's queue only a read late."""
         for fd, tier in zip(self.root_fds, self.tiers, strict=True):
-            if tier.depth and fd >= 0 and (id(engine), fd) not in self.depth_hinted:
+            if fd < 0 or (id(engine), fd) in self.depth_hinted:
+                continue
+            if tier.depth:
                 engine.root_depth(fd, tier.depth)
-                self.depth_hinted.add((id(engine), fd))
+            if tier.gauge and self.plan.admit_by_tier_count:
+                err = engine.root_gauge(fd, tier.gauge)
+                self.counters["gauges" if err == 0 else "gauges_missing"] += 1
+            self.depth_hinted.add((id(engine), fd))
 
     def engine_for(self, warm_mode: str) -> Engine:
         engine = self.engines.for_mode(warm_mode)

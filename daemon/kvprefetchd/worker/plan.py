@@ -36,6 +36,8 @@ class WorkerPlan:
     holds: HoldBudget = field(default_factory=HoldBudget)
     # Off: the probe opens each file once beneath a root's nodev view (worker/probe.py).
     check_before_open: bool = False
+    # On: a FUSE root's requests are judged by its connection's count (native/gauge.c).
+    admit_by_tier_count: bool = True
 
     @property
     def warm_mode(self) -> str:

@@ -104,9 +104,9 @@ def queue_figures(engines: Iterable[Engine], root_fds: Sequence[int]) -> dict[st
         figures["other_mount_threads"] += now.other_mount_threads
         figures["other_mount_stuck"] += now.other_mount_stuck
         figures["other_mount_refused"] += now.other_mount_refused
-        for fd, (depth, rtt_us) in now.depth.items():
+        for fd, (depth, rtt_us, served) in now.depth.items():
             if fd in index_of_fd:
-                figures["depth"][index_of_fd[fd]] = [depth, rtt_us]
+                figures["depth"][index_of_fd[fd]] = [depth, rtt_us, served]
     return figures
 
 
