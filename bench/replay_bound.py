@@ -1,39 +1,49 @@
-"""What any warmer could reach on the replay's tier: its stream through a model of the tier.
+"""What a warmer could reach on the replay's tier, and what it must know to reach it.
 
 bench/replay.py measures warmers on tiersim with S fetch slots of L seconds each, served
 first come, first served, and every consumer fetching what is cold through the same
-slots. That tier is simple enough to model exactly, so this script asks the question the
-measurement cannot: at a given load, how many requests could *any* order of warming bring
-fully warm to their consumer?
+slots. That tier is simple enough to model exactly, so this asks what one measurement
+cannot: over many seeded streams, how often does a rule for admitting a request's files
+meet issue 25's targets (at 90% load a warm-hit ratio, for deltas of at least 2L, no
+lower than the FIFO pool's; at 150% twice the pool's requests fully warm)?
 
-The model (no I/O, the same seeded stream as replay.py):
+The model (no I/O; replay_stream's streams):
 - a fetch takes L; the slots serve fetches in submission order; a file fetched once is
   warm; a reader of a file in flight waits for that fetch;
-- every request's consumer reads its files one after another at arrival + delta,
-  submitting each cold one and waiting for it (replay_methods' consumer);
-- a warmer acts at each arrival. `pool`: submits the request's cold files at once (the
-  FIFO pool of 256 threads). `oracle`: knows the tier's state exactly and submits a
-  request's cold files only if every one of them would be back by its consumer's read,
-  else submits nothing and leaves them to the consumer (so a doomed request takes no
-  slot ahead of one that can still make it). `admit`: the same rule with only what a
-  warmer can see: its own reads' latency (an average of the last ones back), and one
-  request let through whenever none of its reads is out, so the average cannot stay
-  stale. `none`: nothing.
+- each request's consumer reads its files one after another from arrival + delta; a
+  file is a hit when it is warm as the consumer gets to it (replay.py's look); a cold
+  one it submits and waits for;
+- a warmer acts at each arrival. Every warmer skips what is warm.
 
-With the tier's measured capacity it reproduces replay.md's pool figures (fully warm,
-requests with a new file: 0.734 at 50%, 0.507 at 90% against 0.496 measured, 0.013 at
-150%), so what it says of the oracle is a statement about the measured tier.
+Warmers:
+- `pool`: every file at once (the FIFO pool of 256 threads).
+- `reads` (0.9.0's admission): a file goes when a read's time now (the warmer's own
+  reads averaged, 0.7/0.3) has it back before its consumer gets to it, the consumer
+  taking at least L for each file before it; everything goes when none of its reads is
+  out.
+- `gauge` (native/gauge.c and schedule.c): the tier's count of fetches not answered
+  (a FUSE connection's `waiting`) and the rate it answers them, learned from the
+  warmer's reads. The request goes whole when its last file would be back by the
+  deadline. Otherwise its files that would be back before the consumer gets to them
+  go, but only while the tier's queue is shorter than 2L and the consumer is 2L away
+  or more: in overload those reads are the slots a request that can be warm whole
+  needs.
+- `oracle`: the gauge's rule, knowing the slots' schedule exactly instead.
 
-    .venv/bin/python bench/replay_bound.py --capacity 78.8 --seeds 1,2,3
+    .venv/bin/python bench/replay_bound.py --capacity 79.4 --seeds 1-30
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
-from dataclasses import dataclass
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import replay_stream
+
+PARTIAL_FETCHES = 2  # schedule.c's: the queue and the lead, in fetches, for files of a partial
 
 
 @dataclass
@@ -43,6 +53,7 @@ class Tier:
     slots: list[float]
     fetch_s: float
     back: dict[str, float]
+    out: list[float] = field(default_factory=list)  # ends of fetches not back yet (a heap)
 
     @classmethod
     def cold(cls, slots: int, fetch_s: float, warm: list[str]) -> Tier:
@@ -53,91 +64,186 @@ class Tier:
             return self.back[path]
         end = max(heapq.heappop(self.slots), now) + self.fetch_s
         heapq.heappush(self.slots, end)
+        heapq.heappush(self.out, end)
         self.back[path] = end
         return end
 
-    def would_be_back(self, paths: list[str], now: float) -> float:
-        """When the last of `paths` would be back if submitted now (nothing submitted)."""
-        trial = list(self.slots)
+    def waiting(self, now: float) -> int:
+        """Fetches not answered at now: what fusectl's `waiting` says."""
+        while self.out and self.out[0] <= now:
+            heapq.heappop(self.out)
+        return len(self.out)
+
+    def warm(self, path: str, now: float) -> bool:
+        return self.back.get(path, float("inf")) <= now
+
+
+@dataclass
+class View:
+    """What a warmer has learned from its own reads so far."""
+
+    fetch_s: float
+    read_s: float = 0.0  # a read's time, averaged per read (0.7/0.3): `reads`
+    rate: float = 0.0    # fetches a second the tier answers (gauge.c's): `gauge`
+    mine: list[tuple[float, float, int]] = field(default_factory=list)  # (back, asked, ahead)
+
+    def learn(self, now: float) -> None:
+        while self.mine and self.mine[0][0] <= now:
+            back, asked, ahead = heapq.heappop(self.mine)
+            took = back - asked
+            self.read_s = 0.7 * self.read_s + 0.3 * took if self.read_s else took
+            if took < 0.8 * self.fetch_s:
+                continue  # joined a fetch already out
+            rate = (ahead + 1) / took
+            if took > 1.25 * self.fetch_s:
+                self.rate = 0.7 * self.rate + 0.3 * rate if self.rate else rate
+            else:
+                self.rate = max(self.rate, rate)
+
+
+# A warmer: given the tier, what it learned, the request, now and the request's files not
+# warm (in order), the files it reads.
+Warmer = Callable[[Tier, View, replay_stream.Request, float, list[str]], list[str]]
+
+
+def pool(tier: Tier, view: View, request: replay_stream.Request, now: float,
+         cold: list[str]) -> list[str]:
+    return cold
+
+
+def reads(tier: Tier, view: View, request: replay_stream.Request, now: float,
+          cold: list[str]) -> list[str]:
+    due, step = request.arrival_s + request.delta_s, view.fetch_s
+    return [path for k, path in enumerate(request.files)
+            if path in cold and (not view.mine or now + view.read_s <= due + k * step)]
+
+
+def judged(cold: list[str], due: float, now: float, back: Callable[[int], float],
+           fetch_s: float) -> list[str]:
+    """schedule.c's rule, given when the j-th file asked for now would be back."""
+    if back(len(cold) - 1) <= due:
+        return cold
+    queue = back(0) - now - fetch_s
+    if queue >= PARTIAL_FETCHES * fetch_s or due - now < PARTIAL_FETCHES * fetch_s:
+        return []
+    chosen: list[str] = []
+    reach = due
+    for path in cold:
+        if back(len(chosen)) <= reach:
+            chosen.append(path)
+        else:
+            reach += fetch_s  # left to its consumer, who fetches it first
+    return chosen
+
+
+def gauge(tier: Tier, view: View, request: replay_stream.Request, now: float,
+          cold: list[str]) -> list[str]:
+    if not view.rate:
+        return cold
+    waiting = tier.waiting(now)
+    return judged(cold, request.arrival_s + request.delta_s, now,
+                  lambda j: now + max(view.fetch_s, (waiting + j + 1) / view.rate),
+                  view.fetch_s)
+
+
+def oracle(tier: Tier, view: View, request: replay_stream.Request, now: float,
+           cold: list[str]) -> list[str]:
+    """The gauge's rule with the slots' schedule; a file in flight is back when its
+    fetch is, and takes no slot."""
+    fresh = [p for p in cold if p not in tier.back]
+    def back(j: int) -> float:
+        trial = list(tier.slots)
         last = now
-        for _ in paths:
-            last = max(heapq.heappop(trial), now) + self.fetch_s
+        for _ in range(min(j, len(fresh) - 1) + 1):
+            last = max(heapq.heappop(trial), now) + tier.fetch_s
             heapq.heappush(trial, last)
-        return last
+        flying = [tier.back[p] for p in cold if p in tier.back]
+        return max([last, *flying]) if j >= len(fresh) - 1 else last
+    return [p for p in judged(fresh, request.arrival_s + request.delta_s, now, back,
+                              tier.fetch_s)]
 
 
-def fully_warm(stream: replay_stream.Stream, policy: str, slots: int,
-               fetch_s: float) -> tuple[int, int, int]:
-    """(requests fully warm at their consumer's read, of them bringing a new file, requests
-    bringing a new file). Events in time order: an arrival (the warmer acts), a consumer's
-    start (judged), and a consumer's next file (it submits the file when it gets to it, so
-    a fetch it has not reached yet takes no slot ahead of anyone)."""
+WARMERS: dict[str, Warmer] = {"pool": pool, "reads": reads, "gauge": gauge, "oracle": oracle}
+
+
+def replay(stream: replay_stream.Stream, warmer: Warmer, slots: int,
+           fetch_s: float) -> tuple[float, int, int]:
+    """(warm-hit ratio for deltas of at least 2L, requests with a new file fully warm,
+    requests with a new file). Events in time order: an arrival (the warmer acts) and a
+    consumer getting to its next file (it submits the file only then, so a fetch it has
+    not reached takes no slot ahead of anyone)."""
     tier = Tier.cold(slots, fetch_s, stream.warm)
-    mine: list[tuple[float, float]] = []  # the warmer's reads out: (back, submitted)
-    latency = fetch_s
+    view = View(fetch_s)
     events = [(r.arrival_s, 0, r.index, 0) for r in stream.requests]
     events += [(r.arrival_s + r.delta_s, 1, r.index, 0) for r in stream.requests]
     heapq.heapify(events)
-    full = full_new = with_new = 0
+    hits: dict[int, list[bool]] = {}
     while events:
         now, kind, index, at = heapq.heappop(events)
         request = stream.requests[index]
-        due = request.arrival_s + request.delta_s
-        while mine and mine[0][0] <= now:
-            back, submitted = heapq.heappop(mine)
-            latency = 0.7 * latency + 0.3 * (back - submitted)
-        if kind == 0 and policy == "admit" and (now + latency <= due or not mine):
-            for path in request.files:
-                if path not in tier.back:
-                    heapq.heappush(mine, (tier.submit(path, now), now))
-        elif kind == 0 and policy == "pool":
-            for path in request.files:
-                tier.submit(path, now)
-        elif kind == 0 and policy == "oracle":
-            cold = [p for p in request.files if p not in tier.back]
-            in_time = all(tier.back[p] <= due for p in request.files if p in tier.back)
-            if in_time and tier.would_be_back(cold, now) <= due:
-                for path in cold:
-                    tier.submit(path, now)
-        elif kind == 1:
-            warm = all(tier.back.get(p, float("inf")) <= now for p in request.files)
-            full += warm
-            if request.new:
-                with_new += 1
-                full_new += warm
-            heapq.heappush(events, (now, 2, index, 0))
-        elif kind == 2 and at < len(request.files):  # the consumer reaches file `at`
-            back = tier.submit(request.files[at], now)
-            heapq.heappush(events, (max(back, now), 2, index, at + 1))
-    return full, full_new, with_new
+        view.learn(now)
+        if kind == 0:
+            cold = [p for p in request.files if not tier.warm(p, now)]
+            asked = warmer(tier, view, request, now, cold) if cold else []
+            waiting = tier.waiting(now)
+            for ahead, path in enumerate(asked, start=waiting):
+                back = tier.submit(path, now)
+                if back > now:
+                    heapq.heappush(view.mine, (back, now, ahead))
+        elif at < len(request.files):
+            path = request.files[at]
+            hit = tier.warm(path, now)
+            hits.setdefault(index, []).append(hit)
+            back = now if hit else tier.submit(path, now)
+            heapq.heappush(events, (max(back, now), 1, index, at + 1))
+    long = [sum(h) / len(h) for i, h in hits.items()
+            if stream.requests[i].delta_s >= 2 * fetch_s]
+    new = [all(h) for i, h in hits.items() if stream.requests[i].new]
+    return statistics.mean(long), sum(new), len(new)
+
+
+def seeds_of(text: str) -> list[int]:
+    if "-" in text:
+        first, last = text.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(s) for s in text.split(",")]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--capacity", type=float, default=78.8,
+    p.add_argument("--capacity", type=float, default=79.4,
                    help="the tier's measured files/s (replay.py prints it)")
+    p.add_argument("--warm-capacity", type=float, default=4239.0,
+                   help="warm opens a second (replay.py prints it; the stream's load)")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--fetch-ms", type=float, default=100.0)
     p.add_argument("--duration-s", type=float, default=12.0)
-    p.add_argument("--loads", default="0.5,0.9,1.5")
-    p.add_argument("--seeds", default="1")
+    p.add_argument("--seeds", default="1-30", help="1,2,3 or 1-30")
+    p.add_argument("--warmers", default="reads,gauge,oracle")
     args = p.parse_args()
-    print("| seed | load | requests | with a new file | fully warm (with a new file): "
-          "none | pool | admit | oracle | admit / pool | oracle / pool |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for load in (float(x) for x in args.loads.split(",")):
+    fetch_s = args.fetch_ms / 1000
+    names = args.warmers.split(",")
+    seeds = seeds_of(args.seeds)
+    print(f"{len(seeds)} streams; against the FIFO pool in each")
+    print("| load | warmer | warm-hit, delta >= 2L (mean) | at least the pool's | "
+          "fully warm, requests with a new file (mean) | x pool (mean, min) | 2x the pool |")
+    print("|---|---|---|---|---|---|---|")
+    for load in (0.9, 1.5):
+        got: dict[str, list[tuple[float, int, int]]] = {n: [] for n in ["pool", *names]}
+        for seed in seeds:
             stream = replay_stream.stream(replay_stream.StreamSpec(seed=seed), load,
-                                          args.capacity, args.duration_s)
-            got = {policy: fully_warm(stream, policy, args.slots, args.fetch_ms / 1000)
-                   for policy in ("none", "pool", "admit", "oracle")}
-            with_new = got["pool"][2]
-            cells = " | ".join(f"{got[p][1]} ({got[p][1] / max(with_new, 1):.3f})"
-                               for p in ("none", "pool", "admit", "oracle"))
-            ratios = " | ".join(f"{got[p][1] / got['pool'][1]:.2f}" if got["pool"][1] else "-"
-                                for p in ("admit", "oracle"))
-            print(f"| {seed} | {load:.0%} | {len(stream.requests)} | {with_new} | {cells} | "
-                  f"{ratios} |")
+                                          args.capacity, args.duration_s, args.warm_capacity)
+            for name in got:
+                got[name].append(replay(stream, WARMERS[name], args.slots, fetch_s))
+        for name in got:
+            runs, base = got[name], got["pool"]
+            hit = statistics.mean(r[0] for r in runs)
+            wins = sum(r[0] >= b[0] for r, b in zip(runs, base, strict=True))
+            full = statistics.mean(r[1] / r[2] for r in runs)
+            ratios = [r[1] / max(b[1], 1) for r, b in zip(runs, base, strict=True)]
+            twice = sum(x >= 2 for x in ratios)
+            print(f"| {load:.0%} | {name} | {hit:.4f} | {wins}/{len(runs)} | {full:.3f} | "
+                  f"{statistics.mean(ratios):.2f}, {min(ratios):.2f} | {twice}/{len(runs)} |")
 
 
 if __name__ == "__main__":
