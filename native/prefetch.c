@@ -12,8 +12,9 @@
  *   pool.c            the confirming threads of a batch
  *   queue.c           the asynchronous queue (kvp_queue_*) that runs the queue engines:
  *                     persistent threads, files in as they come, outcomes out as they finish
- *   queue.h           the queue's insides, shared with depthctl.c and schedule.c
+ *   queue.h           the queue's insides, shared with depthctl.c, gauge.c and schedule.c
  *   depthctl.c        the queue's reads in flight per root (Little's law)
+ *   gauge.c           when a read asked for now would be back, by the tier's own count
  *   schedule.c        which waiting file of a root the queue starts next
  *   open.c            per item: resolve beneath the root, classify, reopen
  *   residency.c       per item: already warm? (cachestat / mincore, tier rule)

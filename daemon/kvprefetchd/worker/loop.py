@@ -76,7 +76,7 @@ class Worker:
         self.counters = {
             "batches": 0, "batches_other_mode": 0, "dedup_recent": 0, "dedup_in_flight": 0,
             "probed_resident": 0, "probed_missing": 0, "checked": 0, "evicted": 0,
-            "noatime_fallbacks": 0, "gauges": 0, "gauges_missing": 0,
+            "noatime_fallbacks": 0,
         }
         self.native = load_native()
         self.prober = Prober(self.native, self.root_fds, self.rules,
@@ -85,7 +85,7 @@ class Worker:
             self.poller.register(self.prober.mounts_fd, select.POLLPRI)
         self.inspector = Inspector(self.native)
         self.keeping = Keeping(self.native, plan.holds, self.inspector)
-        self.depth_hinted: set[tuple[int, int]] = set()  # (queue engine, root fd) given
+        self.tiers_hinted: set[tuple[int, int]] = set()  # (queue engine, root fd) given
         self.holds = self.keeping.holds
         if self.holds.fileno() >= 0:
             self.poller.register(self.holds.fileno(), select.POLLIN)
@@ -156,7 +156,7 @@ class Worker:
                                          budget_bytes=plan.dedup_bytes)
         self.root_fds[index], self.rules[index] = fd, message.rule
         self.tiers[index] = message.tier
-        self.depth_hinted.clear()
+        self.tiers_hinted.clear()
         self.keeping.verdicts.forget(index)
         self.prober.set_root(index, fd, message.rule)
 
@@ -335,7 +335,7 @@ class Worker:
     def hand_over(self, engine: Engine, pending: deque[WarmItem], mode: str) -> None:
         """Give the engine what waits for it: all of it (a queue) or one batch."""
         if isinstance(engine, QueueEngine):
-            self.hint_depths(engine)
+            self.hint_tiers(engine)
         if self.faults is not None:
             self.faults.apply([item.relative for item in pending])
         engine.take(pending)
@@ -343,20 +343,21 @@ class Worker:
         if mode != self.plan.warm_mode:
             self.counters["batches_other_mode"] += 1
 
-    def hint_depths(self, engine: QueueEngine) -> None:
+    def hint_tiers(self, engine: QueueEngine) -> None:
         """Start each FUSE or network root at the depth its profile trusts (RootTier.depth)
         in this queue, once per queue and root directory: no ramp on a slow tier. And
         where the tier counts its requests (RootTier.gauge), admission judges by the
         count: a root's own reads tell the tier's queue only a read late."""
         for fd, tier in zip(self.root_fds, self.tiers, strict=True):
-            if fd < 0 or (id(engine), fd) in self.depth_hinted:
+            if fd < 0 or (id(engine), fd) in self.tiers_hinted:
                 continue
             if tier.depth:
                 engine.root_depth(fd, tier.depth)
             if tier.gauge and self.plan.admit_by_tier_count:
-                err = engine.root_gauge(fd, tier.gauge)
-                self.counters["gauges" if err == 0 else "gauges_missing"] += 1
-            self.depth_hinted.add((id(engine), fd))
+                # not readable (fusectl not mounted, another user's mount): the reads'
+                # own times judge, and the worker's stats show no rate for the root
+                engine.root_gauge(fd, tier.gauge)
+            self.tiers_hinted.add((id(engine), fd))
 
     def engine_for(self, warm_mode: str) -> Engine:
         engine = self.engines.for_mode(warm_mode)
