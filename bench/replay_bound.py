@@ -151,16 +151,16 @@ def oracle(tier: Tier, view: View, request: replay_stream.Request, now: float,
     """The gauge's rule with the slots' schedule; a file in flight is back when its
     fetch is, and takes no slot."""
     fresh = [p for p in cold if p not in tier.back]
+    flying = [tier.back[p] for p in cold if p in tier.back]
+
     def back(j: int) -> float:
         trial = list(tier.slots)
         last = now
         for _ in range(min(j, len(fresh) - 1) + 1):
             last = max(heapq.heappop(trial), now) + tier.fetch_s
             heapq.heappush(trial, last)
-        flying = [tier.back[p] for p in cold if p in tier.back]
         return max([last, *flying]) if j >= len(fresh) - 1 else last
-    return [p for p in judged(fresh, request.arrival_s + request.delta_s, now, back,
-                              tier.fetch_s)]
+    return judged(fresh, request.arrival_s + request.delta_s, now, back, tier.fetch_s)
 
 
 WARMERS: dict[str, Warmer] = {"pool": pool, "reads": reads, "gauge": gauge, "oracle": oracle}

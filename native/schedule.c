@@ -200,9 +200,8 @@ struct kvp_judgement kvp_sched_judge(const struct qroot *r, int64_t deadline_ns,
         .read_ns = kvp_depth_read_ns(&r->depth),
         .floor_ns = kvp_depth_floor_ns(&r->depth),
         .through = r->running - r->stalled == 0 && r->ntimed == 0,  /* nothing out */
-        .waiting = -1,
+        .waiting = kvp_gauge_waiting(&r->gauge),  /* read even unlearned: reads teach it */
     };
-    j.waiting = kvp_gauge_waiting(&r->gauge);  /* its reads teach the gauge's rate */
     if (j.waiting < 0 || r->gauge.rate <= 0 || j.floor_ns <= 0)
         return j;  /* no count, or nothing learned yet: by the reads' own times */
     j.gauge = &r->gauge;

@@ -109,7 +109,7 @@ WARMING = Section("how files are warmed", (
         or a copy of it the daemon can make as root): the kernel refuses every device
         there, a FIFO is opened without waiting and closed unread."""),
     # Admission by the tier's own count (native/gauge.c): in the router replay at 150%
-    # load 2.1-3.5x the FIFO pool's requests fully warm, against 1.3-2.0x by the reads'
+    # load 2.2-3.3x the FIFO pool's requests fully warm, against 1.3-2.0x by the reads'
     # own times; at 90% its refused requests' consumers wait longer (docs/bench/replay.md).
     Key("admit_by_tier_count", BOOL, True, restart=True, help="""
         On a FUSE root, judge a request with a deadline by the connection's count of
