@@ -29,9 +29,15 @@
  * once are the window's reads per second times the tier's own latency, its
  * fastest fetch (`floor`, kept across windows and let rise 1% a window so it
  * follows a tier that got slower; reads under FETCH_MIN_NS were cache hits and
- * say nothing of it).  Where the window's mean read took more than QUEUED times
- * that, reads were queueing inside the file system, where no request can
- * overtake another: the depth comes down to the most the tier has served at once
+ * say nothing of it).  It falls at most 10% a window (FLOOR_FALL): a read that
+ * joined a fetch already out (a consumer's) is faster than any fetch, and one
+ * of those, 11 of 687 reads in the router replay, held the floor at 14-77 ms of
+ * a 100 ms tier for the rest of the run, and with it every judgement made by it
+ * (schedule.c).  A tier that got faster is followed in a few dozen windows.  Not
+ * a rank among recent reads: in a burst on a tier of two fetch slots the third
+ * fastest read had queued behind the first two.  Where the window's mean read
+ * took more than QUEUED times that, reads were queueing inside the file
+ * system, where no request can overtake another: the depth comes down to the most the tier has served at once
  * lately, plus headroom, and the backlog waits here instead, where the most
  * urgent file goes first (schedule.c).  Jitter alone keeps the mean well under QUEUED times the floor.
  * Where the queue in the tier is other readers' (the consumers fetching what was
@@ -52,6 +58,7 @@
 #define FETCH_MIN_NS 1000000     /* a read faster than 1 ms was a cache hit, not a fetch */
 #define QUEUED 2.0               /* mean over fastest fetch: reads queued in the tier */
 #define FLOOR_RISE 1.01          /* the remembered fastest fetch may rise 1% a window */
+#define FLOOR_FALL 0.90          /* ... and fall 10% */
 
 void kvp_depth_init(struct kvp_depth *d, uint32_t initial, uint32_t max)
 {
@@ -133,9 +140,13 @@ static void close_window(struct kvp_depth *d, int64_t now)
     if (d->history_n < KVP_DEPTH_HISTORY)
         d->history_n++;
     d->rtt_ns = mean;
-    if (d->window_min_ns > 0)  /* the fastest fetch, let rise 1% a window */
-        d->floor_ns = d->floor_ns > 0 && (double)d->floor_ns * FLOOR_RISE < (double)d->window_min_ns
-                          ? (int64_t)((double)d->floor_ns * FLOOR_RISE) : d->window_min_ns;
+    if (d->window_min_ns > 0 && d->floor_ns == 0) {
+        d->floor_ns = d->window_min_ns;
+    } else if (d->window_min_ns > 0) {  /* the fastest fetch, let rise 1% a window, fall 10% */
+        double least = (double)d->floor_ns * FLOOR_FALL, most = (double)d->floor_ns * FLOOR_RISE;
+        double t = (double)d->window_min_ns;
+        d->floor_ns = (int64_t)(t < least ? least : t > most ? most : t);
+    }
     d->best_rate *= FORGET;
     if (d->trusted && d->window_n >= 4 && cap_to_served(d, rate, mean)) {
         /* reads queued in the tier, backlog here or not: fewer in flight */

@@ -111,3 +111,10 @@ int64_t kvp_gauge_back_ns(const struct kvp_gauge *g, int64_t ahead, int64_t floo
     int64_t served = (int64_t)((double)(ahead + 1) * 1e9 / g->rate);
     return served > floor_ns ? served : floor_ns;
 }
+
+int64_t kvp_gauge_slots(const struct kvp_gauge *g, int64_t floor_ns)
+{
+    if (g->rate <= 0 || floor_ns <= 0)
+        return 0;
+    return (int64_t)(g->rate * (double)floor_ns / 1e9 + 0.5);
+}

@@ -165,6 +165,8 @@ struct kvp_done {            /* one settled file, as reaped */
 struct kvp_queue_stats {
     uint32_t threads, idle, pending, running, stalled, nroots;  /* the roots' lanes */
     uint64_t submitted, reaped, timed_out, stalls, spawn_failures;
+    uint64_t standby_reads;  /* files refused on arrival, read later into a slot the tier
+                                had free before their consumer could get to them */
     /* The other-mount lane: its threads, files waiting for one, reads running and those
      * of them past the lane's stall time (stuck threads); files handed to it, refused
      * by it (EHOSTDOWN) and its reads that stalled, since the queue was made. */
@@ -175,6 +177,7 @@ struct kvp_queue_stats {
     uint32_t root_rtt_us[16];
     uint32_t root_served[16];  /* requests a second its tier answers, as its gauge learned
                                   (kvp_queue_root_gauge; 0: none, or nothing learned yet) */
+    uint32_t root_floor_us[16];  /* its tier's fastest fetch, as depthctl.c keeps it */
 };
 
 struct kvp_queue;

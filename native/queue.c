@@ -16,7 +16,8 @@
  * root's waiting files starts next is schedule.c's choice (clients in turn, the
  * deadlines that can still be met, then the newest request).  A request's files
  * with a deadline are judged on arrival (schedule.c): those that cannot be read
- * in time settle EXPIRED at once, the others start without waiting for depth.
+ * in time settle EXPIRED at once (or, judged by the tier's count, stand by for a
+ * slot it has free), the others start without waiting for depth.
  *
  * A root that hangs (a dead tier) keeps the threads it holds, but those reads
  * stop counting against its depth once they have been running longer than the
@@ -138,7 +139,10 @@ static int root_ready(const struct qroot *r)
     return kvp_sched_ready(r);
 }
 
-/* The next file to start, taking the roots in turn; NULL when none may start. */
+/* The next file to start, taking the roots in turn; NULL when none may start.
+ * A standby file only when no root has another: it goes into a slot the tier
+ * has free now, and only a thread with nothing else to do looks (it reads the
+ * tier's count: schedule.c). */
 static struct qitem *next_item(struct kvp_queue *q)
 {
     for (uint32_t k = 0; k < q->nroots; k++) {
@@ -146,6 +150,14 @@ static struct qitem *next_item(struct kvp_queue *q)
         if (root_ready(r)) {
             q->turn = (q->turn + k + 1) % q->nroots;
             return kvp_sched_take(r, now_ns());
+        }
+    }
+    for (uint32_t k = 0; q->standing > 0 && k < q->nroots; k++) {
+        struct qitem *qi = kvp_sched_standby_take(&q->roots[k], now_ns());
+        if (qi) {
+            q->standing--;
+            q->standby_reads++;
+            return qi;
         }
     }
     return NULL;
@@ -168,10 +180,15 @@ static int backlog_of(const struct kvp_queue *q, const struct qitem *qi)
 /* A pending file off its list: its root's (schedule.c), or the lane's. */
 static void unpend(struct kvp_queue *q, struct qitem *qi)
 {
-    if (qi->other_mount)
+    if (qi->other_mount) {
         kvp_list_unlink(&q->lane.pending, qi);
-    else
+    } else if (qi->standby) {
+        kvp_list_unlink(&q->roots[qi->root].standby, qi);
+        qi->standby = 0;
+        q->standing--;
+    } else {
         kvp_sched_unlink(&q->roots[qi->root], qi);
+    }
 }
 
 /* ---- the other-mount lane ---------------------------------------------------- */
@@ -271,6 +288,20 @@ static void maybe_spawn(struct kvp_queue *q, struct spawn *sp)
         return;
     q->threads++;
     sp->roots++;  /* started by start_threads once the lock is released */
+}
+
+/* Called with the lock held, at a submission and a tick: while files stand by, a
+ * thread with nothing else to do looks at the tier's count (next_item); one is
+ * started when there is none.  A thread reading looks again as its read ends. */
+static void standby_look(struct kvp_queue *q, struct spawn *sp)
+{
+    if (q->standing == 0 || q->stopping)
+        return;
+    if (q->threads == 0) {
+        q->threads++;
+        sp->roots++;
+    }
+    pthread_cond_signal(&q->work);
 }
 
 /* The next file for a thread of the roots' lanes (lane 0) or of the other-mount
@@ -437,8 +468,15 @@ void kvp_queue_free(struct kvp_queue *q)
         kvp_list_unlink(&q->lane.pending, it);
         free(it);
     }
-    for (uint32_t i = 0; i < q->nroots; i++)
+    for (uint32_t i = 0; i < q->nroots; i++) {
+        struct qlist *l = &q->roots[i].standby;
+        while (l->head) {
+            struct qitem *it = l->head;
+            kvp_list_unlink(l, it);
+            free(it);
+        }
         kvp_gauge_close(&q->roots[i].gauge);
+    }
     pthread_attr_destroy(&q->attr);
     if (q->efd >= 0)
         close(q->efd);
@@ -567,6 +605,12 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
                                         kvp_sched_judge(r, qi->it.deadline_ns, files, t) };
             }
             if (!kvp_sched_admits(&last.on, qi->it.deadline_ns, qi->it.position, t, &qi->ahead)) {
+                if (last.on.gauge) {  /* read only into a slot the tier has free (schedule.c) */
+                    kvp_sched_stand_by(r, qi, &last.on, qi->it.position);
+                    q->standing++;
+                    q->deadlines++;
+                    continue;
+                }
                 /* cannot be read in time: expired now, unread */
                 settle(&qi->it, KVP_OUT_EXPIRED, 0);
                 done_push(q, qi);
@@ -578,6 +622,7 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
     }
     q->submitted += n;
     maybe_spawn(q, &sp);
+    standby_look(q, &sp);
     pthread_cond_broadcast(&q->work);
     pthread_mutex_unlock(&q->mu);
     start_threads(q, &sp);
@@ -707,6 +752,8 @@ void kvp_queue_tick(struct kvp_queue *q)
         for (uint32_t i = 0; i < q->nroots; i++)
             for (uint32_t c = 0; c < q->roots[i].nclients; c++)
                 sweep(q, &q->roots[i].clients[c].pending, t);
+        for (uint32_t i = 0; i < q->nroots; i++)
+            sweep(q, &q->roots[i].standby, t);
         sweep(q, &l->pending, t);
     }
     /* A stuck lane answers what waits for it now, not at file_timeout. */
@@ -721,6 +768,7 @@ void kvp_queue_tick(struct kvp_queue *q)
         maybe_spawn(q, &sp);
         pthread_cond_broadcast(&q->work);
     }
+    standby_look(q, &sp);
     pthread_mutex_unlock(&q->mu);
     start_threads(q, &sp);
 }
@@ -742,6 +790,7 @@ void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
     out->timed_out = q->timed_out;
     out->stalls = q->stalls;
     out->spawn_failures = q->spawn_failures;
+    out->standby_reads = q->standby_reads;
     out->mount_threads = q->lane.threads;
     out->mount_pending = q->lane.pending.n;
     out->mount_running = q->lane.running;
@@ -751,7 +800,7 @@ void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
     out->mount_stalls = q->lane.stalls;
     for (uint32_t i = 0; i < q->nroots; i++) {
         const struct qroot *r = &q->roots[i];
-        out->pending += r->npending;
+        out->pending += r->npending + r->standby.n;
         out->running += r->running;
         out->stalled += r->stalled;
         if (i < KVP_QUEUE_STATS_ROOTS) {
@@ -759,6 +808,7 @@ void kvp_queue_stats(struct kvp_queue *q, struct kvp_queue_stats *out)
             out->root_depth[i] = kvp_depth_limit(&r->depth);
             out->root_rtt_us[i] = (uint32_t)(kvp_depth_rtt_ns(&r->depth) / 1000);
             out->root_served[i] = (uint32_t)(r->gauge.rate + 0.5);
+            out->root_floor_us[i] = (uint32_t)(kvp_depth_floor_ns(&r->depth) / 1000);
             out->nroots = i + 1;
         }
     }

@@ -75,6 +75,8 @@ void kvp_gauge_sample(struct kvp_gauge *g, int64_t ahead, int64_t service_ns, in
                       int64_t now);
 /* When a read asked for now, behind `ahead` requests, is back (g->rate > 0). */
 int64_t kvp_gauge_back_ns(const struct kvp_gauge *g, int64_t ahead, int64_t floor_ns);
+/* The fetches the tier serves at once: its rate times its fastest fetch (0: unknown). */
+int64_t kvp_gauge_slots(const struct kvp_gauge *g, int64_t floor_ns);
 
 /* ---- queue.c ------------------------------------------------------------ */
 struct qitem {
@@ -88,6 +90,7 @@ struct qitem {
     uint8_t other_mount;     /* behind another mount beneath its root: the other-mount lane's */
     uint8_t client;          /* its client's slot in its root (schedule.c) */
     uint8_t timed_live;      /* running, with a deadline, not stalled: in its root's timed_live */
+    uint8_t standby;         /* refused on arrival, on its root's standby list (schedule.c) */
     int held_fd;             /* KVP_ITEM_HOLD: the fd a READ kept open for the reaper, else -1 */
     int32_t ahead;           /* the tier's requests before its read (gauge.c), -1: unknown */
     int64_t asked;           /* when its read went to the tier, ahead counted (ns) */
@@ -121,6 +124,10 @@ struct qroot {
     uint32_t timed_live;     /* of running - stalled, reads of files with a deadline */
     struct kvp_depth depth;
     struct kvp_gauge gauge;  /* the tier's own count, where it keeps one (FUSE) */
+    struct qlist standby;    /* refused on arrival, read if the tier frees a slot in time */
+    int64_t standby_look_ns; /* not looked at again before (schedule.c) */
+    int64_t standby_taken_ns;  /* when a standby file was last taken */
+    uint32_t standby_taken;  /* files taken since, maybe not in the tier's count yet */
 };
 
 /* The other-mount lane (queue.c's header): one FIFO for every root's names behind
@@ -150,6 +157,8 @@ struct kvp_queue {
     uint32_t busy;           /* of those threads, the ones holding a file */
     int stopping;
     uint64_t seq, submitted, reaped, timed_out, stalls, spawn_failures;
+    uint64_t standby_reads;  /* files read from standby (schedule.c) */
+    uint32_t standing;       /* files on the roots' standby lists */
     uint32_t deadlines;      /* pending files with a deadline: the tick sweeps for them */
     char *scratch;
     size_t scratch_len;
@@ -184,6 +193,13 @@ struct kvp_judgement kvp_sched_judge(const struct qroot *r, int64_t deadline_ns,
  * requests before it (gauge.c's sample), -1 unknown.  Called for the files in order. */
 int kvp_sched_admits(struct kvp_judgement *j, int64_t deadline_ns, uint32_t position,
                      int64_t now, int32_t *ahead);
+/* A file the judgement refused, kept on r's standby list: its deadline moves to when
+ * its consumer, fetching the files before it itself, could have got to it. */
+void kvp_sched_stand_by(struct qroot *r, struct qitem *qi, const struct kvp_judgement *j,
+                        uint32_t position);
+/* The oldest standby file of r still in time, off its list, when the tier has a slot
+ * free now (gauge.c: fewer requests not answered than it serves at once); else NULL. */
+struct qitem *kvp_sched_standby_take(struct qroot *r, int64_t now);
 /* May r start a read now: a file with a deadline waits (those go uncapped), or
  * one without does and the reads without one leave room under the depth. */
 int kvp_sched_ready(const struct qroot *r);

@@ -39,9 +39,17 @@
  *   than PARTIAL_FETCHES fetches and the consumer that many away: in overload,
  *   a part of a request that cannot be warm whole takes the slots a whole one
  *   needs (at 150% load, 2.2-3.3x the FIFO pool's requests fully warm on
- *   time, against 1.3-2.0x by the average).  The price is at moderate load:
- *   the consumer of a request refused whole fetches its files one by one
- *   through the tier's queue (docs/bench/replay.md, 0.10.0).
+ *   time, against 1.3-2.0x by the average).  The price was at moderate load:
+ *   the consumer of a request refused whole fetched its files one by one
+ *   through the tier's queue (docs/bench/replay.md, 0.10.0).  So a file refused
+ *   there is not dropped: it stands by (the root's standby list, oldest first)
+ *   and is read when the tier has a slot free, its count under the fetches it
+ *   serves at once (the rate times the floor), until its consumer could have
+ *   got to it: the deadline plus a fetch for it and each file before it.  A
+ *   free slot takes nothing from a request to come; in overload there is none.
+ *   A thread with nothing else to do looks (at a submission, a tick, as its
+ *   read ends), at most once a STANDBY_LOOK_NS after finding the slots busy;
+ *   a file just taken counts as a busy slot until its read can be in the count.
  * - The files that went through are read at once, not held behind the root's
  *   depth: on a first-come, first-served tier, entering early is what counts,
  *   and the admission already bounds them.  The depth (depthctl.c) caps the
@@ -74,6 +82,10 @@
  * least this many fetches away (the header). */
 #define PARTIAL_FETCHES 2
 #define GAUGE_STALE_NS 1000000000  /* a gauge's rate no read has taught for 1 s */
+/* After finding every slot of the tier busy, the standby list is not looked at again
+ * for this long (a submission wakes every idle thread, and each look reads the count);
+ * a file taken counts as a slot for this long, until its read is in the count. */
+#define STANDBY_LOOK_NS 1000000
 
 void kvp_list_push(struct qlist *l, struct qitem *it)
 {
@@ -240,6 +252,40 @@ int kvp_sched_admits(struct kvp_judgement *j, int64_t deadline_ns, uint32_t posi
         *ahead = behind > INT32_MAX ? INT32_MAX : (int32_t)behind;
     j->admitted++;
     return 1;
+}
+
+void kvp_sched_stand_by(struct qroot *r, struct qitem *qi, const struct kvp_judgement *j,
+                        uint32_t position)
+{
+    qi->standby = 1;
+    qi->it.deadline_ns += (int64_t)(position + 1) * j->floor_ns;
+    kvp_list_push(&r->standby, qi);
+}
+
+struct qitem *kvp_sched_standby_take(struct qroot *r, int64_t now)
+{
+    struct qitem *qi = r->standby.head;
+    while (qi && qi->it.deadline_ns <= now)
+        qi = qi->next;  /* out of time: queue.c's sweep settles it */
+    if (!qi || now < r->standby_look_ns)
+        return NULL;
+    int64_t slots = kvp_gauge_slots(&r->gauge, kvp_depth_floor_ns(&r->depth));
+    int64_t waiting = kvp_gauge_waiting(&r->gauge);
+    /* Files taken a moment ago may not be in the count yet (their threads are
+     * opening them): the threads a submission wakes would all take one. */
+    if (now - r->standby_taken_ns > STANDBY_LOOK_NS)
+        r->standby_taken = 0;
+    if (waiting < 0 || waiting + r->standby_taken >= slots) {
+        /* every slot busy: a read now would queue ahead of the requests to come */
+        r->standby_look_ns = now + STANDBY_LOOK_NS;
+        return NULL;
+    }
+    kvp_list_unlink(&r->standby, qi);
+    qi->standby = 0;
+    waiting += r->standby_taken++;
+    r->standby_taken_ns = now;
+    qi->ahead = waiting > INT32_MAX ? INT32_MAX : (int32_t)waiting;
+    return qi;
 }
 
 int kvp_sched_ready(const struct qroot *r)
