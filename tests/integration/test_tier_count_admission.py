@@ -49,6 +49,8 @@ def served(tmp_path: Path, tier: Any, **settings: object) -> list[int]:
         assert reply["outcomes"]["read"] == FILES, reply
         def rates() -> list[int]:
             workers = daemon.call("stats")["stats"]["workers"]
+            # a reported queue counts its standby reads: none, as nothing was refused
+            assert all(w["queue"].get("standby_reads") == 0 for w in workers if w["queue"])
             return [w["queue"].get("depth", {}).get("0", [0, 0, 0])[2] for w in workers]
         # the workers report their queues a moment after the reads, with their next report
         deadline = time.monotonic() + 5

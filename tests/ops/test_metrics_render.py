@@ -166,6 +166,10 @@ def test_render_names_labels_and_values() -> None:
     assert sample(f, "kvprefetchd_other_mount_stuck_threads:gauge", worker="1") == 0  # no report
     assert sample(f, "kvprefetchd_other_mount_refused:counter",
                   "kvprefetchd_other_mount_refused_total", worker="0") == 5
+    assert sample(f, "kvprefetchd_standby_reads:counter",
+                  "kvprefetchd_standby_reads_total", worker="0") == 7
+    assert sample(f, "kvprefetchd_standby_reads:counter",
+                  "kvprefetchd_standby_reads_total", worker="1") == 0  # no report
     assert sample(f, "kvprefetchd_worker_ready:gauge", worker="1") == 0
     assert sample(f, "kvprefetchd_worker_rss_bytes:gauge", worker="1") == 19_000_000
     assert sample(

@@ -72,6 +72,9 @@ class QueueStats(TypedDict, total=False):
     other_mount_threads: int  # its threads now
     other_mount_stuck: int  # of them, held by a read past its stall time
     other_mount_refused: int  # files failed `mount_unresponsive` since the worker started
+    # Files refused on arrival (their tier's queue would make them late) and read later,
+    # into a slot the tier had free before their consumer could get to them.
+    standby_reads: int
     # Hold-open warming (docs/tiers.md): files held open for their consumer now, and
     # their bytes (st_size); only where holding is on.
     held_files: int

@@ -48,6 +48,9 @@ class QueueFigures:
     other_mount_threads: int = 0
     other_mount_stuck: int = 0
     other_mount_refused: int = 0
+    # Files refused on arrival and read later, into a slot their tier had free before
+    # their consumer could get to them (native/schedule.c's standby).
+    standby_reads: int = 0
 
 
 class QueueEngine(NativeEngine):
@@ -143,4 +146,4 @@ class QueueEngine(NativeEngine):
         return QueueFigures(int(stats.threads), int(stats.pending), int(stats.running),
                             int(stats.stalled), int(stats.timed_out), depth,
                             int(stats.mount_threads), int(stats.mount_stalled),
-                            int(stats.mount_refused))
+                            int(stats.mount_refused), int(stats.standby_reads))

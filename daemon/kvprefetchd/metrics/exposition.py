@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import cast
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -32,11 +32,10 @@ from kvprefetch.stats import (
     HistogramSnapshot,
     KVStats,
     LatencyStats,
-    ProcessFigures,
     Stats,
-    WorkerStats,
 )
 from kvprefetchd.metrics.limits import CLOSE_REASONS, SCRAPE_RESULTS
+from kvprefetchd.metrics.workers import worker_families
 from kvprefetchd.protocol import OUTCOMES
 
 # The text format generate_latest() writes: what every scraper parses, the default.
@@ -69,7 +68,7 @@ class StatsCollector(Collector):
             _log_sink(stats["events"]),
             _metrics_endpoint(stats["events"]),
             _files(stats["files"], stats),
-            _workers(stats["workers"]),
+            worker_families(stats["workers"]),
             _kv(stats["kv"]),
             _latency(stats["latency"]),
         ):
@@ -247,123 +246,6 @@ def _files(files: FileCounts, stats: Stats) -> Iterator[Metric]:
         "Workers killed (and replaced) for owing outcomes and saying nothing for "
         "worker_timeout.", "counter", stats["workers_killed_wedged"],
     )
-
-
-def _workers(workers: Sequence[WorkerStats]) -> Iterator[Metric]:
-    labels = [str(w["index"]) for w in workers]
-    depth = GaugeMetricFamily(
-        "kvprefetchd_queue_depth", "Files outstanding per worker.", labels=["worker"]
-    )
-    ready = GaugeMetricFamily(
-        "kvprefetchd_worker_ready", "1 once a worker has booted.", labels=["worker"]
-    )
-    batches = CounterMetricFamily(
-        "kvprefetchd_worker_batches", "Engine batches run, per worker (since it started).",
-        labels=["worker"],
-    )
-    silent = GaugeMetricFamily(
-        "kvprefetchd_worker_silent_seconds",
-        "Seconds since a worker that owes outcomes last reported (0 when it owes none); "
-        "at worker_timeout it is killed as wedged.",
-        labels=["worker"],
-    )
-    dedup = CounterMetricFamily(
-        "kvprefetchd_worker_dedup",
-        "Files skipped as duplicates, per worker (recent: warmed within dedup_ttl_ms; "
-        "in_flight: already being read).",
-        labels=["worker", "kind"],
-    )
-    probed = CounterMetricFamily(
-        "kvprefetchd_worker_probed",
-        "Files a worker's fast path settled on its own thread (native/probe.c), never "
-        "handed to an engine, by outcome (resident, missing).",
-        labels=["worker", "outcome"],
-    )
-    stuck = GaugeMetricFamily(
-        "kvprefetchd_other_mount_stuck_threads",
-        "Threads of a worker's lane for files behind another mount beneath their root "
-        "held by a read past its stall time (at most other_mount_threads).",
-        labels=["worker"],
-    )
-    refused = CounterMetricFamily(
-        "kvprefetchd_other_mount_refused",
-        "Files behind another mount beneath their root failed at once "
-        "(mount_unresponsive): every thread of that lane was stuck.",
-        labels=["worker"],
-    )
-    held = GaugeMetricFamily(
-        "kvprefetchd_held_files",
-        "Files a worker holds open for their consumer now (hold-open warming, docs/tiers.md).",
-        labels=["worker"],
-    )
-    released = CounterMetricFamily(
-        "kvprefetchd_hold_released",
-        "Held files let go, by why: opened (by their consumer), expired (hold_seconds), "
-        "budget (hold_max_files or hold_max_bytes), deleted, replaced, evicted, closed.",
-        labels=["worker", "why"],
-    )
-    for label, worker in zip(labels, workers, strict=True):
-        held.add_metric([label], worker["queue"].get("held_files", 0))
-        for why, count in worker["hold_released"].items():
-            released.add_metric([label, why], count)
-        depth.add_metric([label], worker["queue_depth"])
-        stuck.add_metric([label], worker["queue"].get("other_mount_stuck", 0))
-        refused.add_metric([label], worker["queue"].get("other_mount_refused", 0))
-        probed.add_metric([label, "resident"], worker["probed_resident"])
-        probed.add_metric([label, "missing"], worker["probed_missing"])
-        ready.add_metric([label], float(worker["ready"]))
-        silent.add_metric([label], worker["silent_s"])
-        batches.add_metric([label], worker["batches"])
-        dedup.add_metric([label, "recent"], worker["dedup_recent"])
-        dedup.add_metric([label, "in_flight"], worker["dedup_in_flight"])
-    yield depth
-    yield held
-    yield released
-    if workers:
-        yield GaugeMetricFamily(
-            "kvprefetchd_queue_limit",
-            "Files a worker may have outstanding before new ones are dropped.",
-            value=max(w["queue_limit"] for w in workers),
-        )
-    yield ready
-    yield silent
-    yield batches
-    yield dedup
-    yield probed
-    yield stuck
-    yield refused
-    yield from _process("kvprefetchd_worker", "A worker", ["worker"], workers, labels)
-
-
-def _process(
-    prefix: str,
-    who: str,
-    label_names: list[str],
-    rows: Sequence[ProcessFigures],
-    label_values: Sequence[str] | None = None,
-) -> Iterator[Metric]:
-    """rss_bytes, cpu_seconds and open_fds (psutil figures) of one or more processes."""
-    rss = GaugeMetricFamily(
-        f"{prefix}_rss_bytes", f"{who}'s resident set size.", labels=label_names
-    )
-    cpu = CounterMetricFamily(
-        f"{prefix}_cpu_seconds", f"{who}'s user and system CPU time.", labels=label_names
-    )
-    fds = GaugeMetricFamily(
-        f"{prefix}_open_fds", f"{who}'s open file descriptors.", labels=label_names
-    )
-    values = label_values or [""] * len(rows)
-    for label, row in zip(values, rows, strict=True):
-        key = [label] if label_names else []
-        if "rss_bytes" in row:
-            rss.add_metric(key, row["rss_bytes"])
-        if "cpu_seconds" in row:
-            cpu.add_metric(key, row["cpu_seconds"])
-        if "open_fds" in row:
-            fds.add_metric(key, row["open_fds"])
-    for family in (rss, cpu, fds):
-        if family.samples:
-            yield family
 
 
 def _kv(kv: KVStats) -> Iterator[Metric]:

@@ -94,7 +94,7 @@ def queue_figures(engines: Iterable[Engine], root_fds: Sequence[int]) -> dict[st
     index_of_fd = {fd: str(i) for i, fd in enumerate(root_fds) if fd >= 0}
     figures: dict[str, Any] = {"threads": 0, "running": 0, "stalled": 0, "timed_out": 0,
                                "other_mount_threads": 0, "other_mount_stuck": 0,
-                               "other_mount_refused": 0, "depth": {}}
+                               "other_mount_refused": 0, "standby_reads": 0, "depth": {}}
     for engine in queues:
         now = engine.figures()
         figures["threads"] += now.threads
@@ -104,6 +104,7 @@ def queue_figures(engines: Iterable[Engine], root_fds: Sequence[int]) -> dict[st
         figures["other_mount_threads"] += now.other_mount_threads
         figures["other_mount_stuck"] += now.other_mount_stuck
         figures["other_mount_refused"] += now.other_mount_refused
+        figures["standby_reads"] += now.standby_reads
         for fd, (depth, rtt_us, served) in now.depth.items():
             if fd in index_of_fd:
                 figures["depth"][index_of_fd[fd]] = [depth, rtt_us, served]
