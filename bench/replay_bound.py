@@ -28,6 +28,12 @@ Warmers:
   go, but only while the tier's queue is shorter than 2L and the consumer is 2L away
   or more: in overload those reads are the slots a request that can be warm whole
   needs.
+- `standby` (0.11.0): the gauge's rule, and the files it refuses stand by instead of being
+  dropped: one goes (oldest first) whenever the tier has a slot free (its count under the
+  slots it serves at once, the learned rate times L), looked at on each arrival, each of
+  the warmer's reads coming back and every TICK_S, until its consumer could have got to
+  it (the deadline plus L for it and each file before it). At 90% load the refusals were
+  what the gauge paid for overload; the tier's free slots take that back.
 - `oracle`: the gauge's rule, knowing the slots' schedule exactly instead.
 
     .venv/bin/python bench/replay_bound.py --capacity 79.4 --seeds 1-30
@@ -44,6 +50,7 @@ from dataclasses import dataclass, field
 import replay_stream
 
 PARTIAL_FETCHES = 2  # schedule.c's: the queue and the lead, in fetches, for files of a partial
+TICK_S = 0.1  # the worker's loop ticks its queue this often (worker/loop.py's TICK_SECONDS)
 
 
 @dataclass
@@ -163,33 +170,77 @@ def oracle(tier: Tier, view: View, request: replay_stream.Request, now: float,
     return judged(fresh, request.arrival_s + request.delta_s, now, back, tier.fetch_s)
 
 
-WARMERS: dict[str, Warmer] = {"pool": pool, "reads": reads, "gauge": gauge, "oracle": oracle}
+WARMERS: dict[str, Warmer] = {"pool": pool, "reads": reads, "gauge": gauge, "standby": gauge,
+                              "oracle": oracle}
+STANDING = {"standby"}  # warmers whose refused files stand by (schedule.c's standby)
 
 
-def replay(stream: replay_stream.Stream, warmer: Warmer, slots: int,
-           fetch_s: float) -> tuple[float, int, int]:
+@dataclass
+class Standby:
+    """Refused files, oldest first, each until its consumer could have got to it."""
+
+    files: list[tuple[float, str]] = field(default_factory=list)
+
+    def add(self, request: replay_stream.Request, asked: list[str], cold: list[str],
+            fetch_s: float) -> None:
+        due, taken = request.arrival_s + request.delta_s, set(asked)
+        self.files += [(due + (k + 1) * fetch_s, path) for k, path in enumerate(request.files)
+                       if path in cold and path not in taken]
+
+    def take(self, tier: Tier, view: View, now: float) -> list[str]:
+        """The files that go now: into the slots the tier has free."""
+        slots = round(view.rate * tier.fetch_s)
+        self.files = [(until, p) for until, p in self.files if until > now and p not in tier.back]
+        taken: list[str] = []
+        while self.files and tier.waiting(now) + len(taken) < slots:
+            taken.append(self.files.pop(0)[1])
+        return taken
+
+
+LOOK = 2  # an event: a standby warmer looks at the tier's count
+
+
+def replay(stream: replay_stream.Stream, warmer: Warmer, slots: int, fetch_s: float,
+           standing: bool = False) -> tuple[float, int, int]:
     """(warm-hit ratio for deltas of at least 2L, requests with a new file fully warm,
     requests with a new file). Events in time order: an arrival (the warmer acts) and a
     consumer getting to its next file (it submits the file only then, so a fetch it has
     not reached takes no slot ahead of anyone)."""
     tier = Tier.cold(slots, fetch_s, stream.warm)
     view = View(fetch_s)
+    standby = Standby() if standing else None
     events = [(r.arrival_s, 0, r.index, 0) for r in stream.requests]
     events += [(r.arrival_s + r.delta_s, 1, r.index, 0) for r in stream.requests]
+    if standby:  # the ticks, and (LOOK) each of the warmer's reads coming back
+        events += [(k * TICK_S, LOOK, -1, 0) for k in range(int(stream.requests[-1].arrival_s
+                                                                / TICK_S) + 20)]
     heapq.heapify(events)
     hits: dict[int, list[bool]] = {}
+
+    def read(paths: list[str], now: float) -> None:
+        for ahead, path in enumerate(paths, start=tier.waiting(now)):
+            back = tier.submit(path, now)
+            if back > now:
+                heapq.heappush(view.mine, (back, now, ahead))
+                if standby:
+                    heapq.heappush(events, (back, LOOK, -1, 0))
+
     while events:
         now, kind, index, at = heapq.heappop(events)
-        request = stream.requests[index]
         view.learn(now)
+        if kind == LOOK:
+            if standby and view.rate:
+                read(standby.take(tier, view, now), now)
+            continue
+        request = stream.requests[index]
         if kind == 0:
             cold = [p for p in request.files if not tier.warm(p, now)]
             asked = warmer(tier, view, request, now, cold) if cold else []
-            waiting = tier.waiting(now)
-            for ahead, path in enumerate(asked, start=waiting):
-                back = tier.submit(path, now)
-                if back > now:
-                    heapq.heappush(view.mine, (back, now, ahead))
+            read(asked, now)
+            if standby and cold:
+                standby.add(request, asked, cold, fetch_s)
+                if view.rate:
+                    read(standby.take(tier, view, now), now)
         elif at < len(request.files):
             path = request.files[at]
             hit = tier.warm(path, now)
@@ -219,7 +270,7 @@ def main() -> None:
     p.add_argument("--fetch-ms", type=float, default=100.0)
     p.add_argument("--duration-s", type=float, default=12.0)
     p.add_argument("--seeds", default="1-30", help="1,2,3 or 1-30")
-    p.add_argument("--warmers", default="reads,gauge,oracle")
+    p.add_argument("--warmers", default="reads,gauge,standby,oracle")
     args = p.parse_args()
     fetch_s = args.fetch_ms / 1000
     names = args.warmers.split(",")
@@ -234,7 +285,8 @@ def main() -> None:
             stream = replay_stream.stream(replay_stream.StreamSpec(seed=seed), load,
                                           args.capacity, args.duration_s, args.warm_capacity)
             for name in got:
-                got[name].append(replay(stream, WARMERS[name], args.slots, fetch_s))
+                got[name].append(replay(stream, WARMERS[name], args.slots, fetch_s,
+                                        name in STANDING))
         for name in got:
             runs, base = got[name], got["pool"]
             hit = statistics.mean(r[0] for r in runs)
