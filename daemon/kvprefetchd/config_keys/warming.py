@@ -108,17 +108,19 @@ WARMING = Section("how files are warmed", (
         once, then checks it, beneath a root it sees through a nodev mount (the root's own,
         or a copy of it the daemon can make as root): the kernel refuses every device
         there, a FIFO is opened without waiting and closed unread."""),
-    # Admission by the tier's own count (native/gauge.c): in the router replay at 150%
-    # load 2.2-3.3x the FIFO pool's requests fully warm, against 1.3-2.0x by the reads'
-    # own times; at 90% its refused requests' consumers wait longer (docs/bench/replay.md).
+    # Admission by the tier's own count (native/gauge.c, schedule.c's standby): in the
+    # router replay on the simulator at 150% load 2.2-3.3x the FIFO pool's requests fully
+    # warm, against 1.3-2.0x by the reads' own times; at 90% a warm-hit ratio at or above
+    # the pool's (docs/bench/replay.md, 0.11.0).
     Key("admit_by_tier_count", BOOL, True, restart=True, help="""
         On a FUSE root, judge a request with a deadline by the connection's count of
         requests not answered (fusectl's `waiting`, every reader's) and the rate the tier
         answers them: whole when its last file would be back in time, else only the files
-        that make it while the tier's queue is short; in overload, more requests fully
-        warm on time. Off, or where the count cannot be read, each file is judged by the
-        root's own recent read time: more files read late, which the consumers of
-        refused requests wait less for at moderate load."""),
+        that make it while the tier's queue is short; a file refused stands by and is read
+        when the tier has a fetch slot free, until its consumer could have got to it. In
+        overload, more requests fully warm on time. Off, or where the count cannot be read,
+        each file is judged by the root's own recent read time: more files read late, which
+        the consumers of refused requests wait less for at moderate load."""),
     Key("dedup_ttl_ms", INT, 1000, bounds=(0, 3_600_000), restart=True, help="""
         A path warmed within this many milliseconds is skipped as a duplicate;
         at most dedup_entries paths, and dedup_bytes of memory for them (16 MiB), are
