@@ -1,7 +1,7 @@
 """Client for kvprefetchd, speaking only its wire protocol (never importing the daemon), so
 it stays honest about the contract in docs/protocol.md."""
 
-__version__ = "0.10.0"  # released with kvprefetchd of the same version
+__version__ = "0.11.0"  # released with kvprefetchd of the same version
 
 from kvprefetch.aio import AsyncClient
 from kvprefetch.client import Client
