@@ -93,6 +93,9 @@ class Worker:
         self.faults = BatchFaults.from_environment()  # None unless a test injects one
         self.reported = time.monotonic()
         self.queue_reported = 0.0
+        # A report went out without the queue's figures (they are sent at most every
+        # QUEUE_REPORT_SECONDS): the last ones the supervisor has are older than its outcomes.
+        self.queue_stale = False
 
     @property
     def engine(self) -> Engine:
@@ -176,7 +179,7 @@ class Worker:
         if any(engine.outstanding for engine in self.engines.built()):
             return int(TICK_SECONDS * 1000)
         due = self.holds.next_due()
-        if self.keeping.holding_changed:  # the gauge is due within QUEUE_REPORT_SECONDS
+        if self.keeping.holding_changed or self.queue_stale:  # due within QUEUE_REPORT_SECONDS
             due = min(due, QUEUE_REPORT_SECONDS) if due is not None else QUEUE_REPORT_SECONDS
         return None if due is None else int(due * 1000) + 1
 
@@ -404,7 +407,7 @@ class Worker:
         report once a second while files are out, so the supervisor hears a live worker."""
         now = time.monotonic()
         queue_due = now - self.queue_reported >= QUEUE_REPORT_SECONDS
-        holding_now = queue_due and self.keeping.holding_changed
+        holding_now = queue_due and (self.keeping.holding_changed or self.queue_stale)
         if not self.report.owed and not self.keeping.verdicts.changed and not holding_now:
             busy = any(engine.outstanding for engine in self.engines.built())
             if not busy or now - self.reported < HEARTBEAT_SECONDS:
@@ -417,6 +420,7 @@ class Worker:
         counters = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
         queue: dict[str, Any] = {}
+        self.queue_stale = not queue_due
         if queue_due:
             self.queue_reported = now
             queue = {**queue_figures(self.engines.built(), self.root_fds),
