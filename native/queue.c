@@ -152,10 +152,10 @@ static struct qitem *next_item(struct kvp_queue *q)
             return kvp_sched_take(r, now_ns());
         }
     }
-    for (uint32_t k = 0; q->standing > 0 && k < q->nroots; k++) {
-        struct qitem *qi = kvp_sched_standby_take(&q->roots[k], now_ns());
+    for (uint32_t k = 0; k < q->nroots; k++) {
+        struct qitem *qi = q->roots[k].standby.n ? kvp_sched_standby_take(&q->roots[k], now_ns())
+                                                 : NULL;
         if (qi) {
-            q->standing--;
             q->standby_reads++;
             return qi;
         }
@@ -185,7 +185,6 @@ static void unpend(struct kvp_queue *q, struct qitem *qi)
     } else if (qi->standby) {
         kvp_list_unlink(&q->roots[qi->root].standby, qi);
         qi->standby = 0;
-        q->standing--;
     } else {
         kvp_sched_unlink(&q->roots[qi->root], qi);
     }
@@ -295,8 +294,11 @@ static void maybe_spawn(struct kvp_queue *q, struct spawn *sp)
  * started when there is none.  A thread reading looks again as its read ends. */
 static void standby_look(struct kvp_queue *q, struct spawn *sp)
 {
-    if (q->standing == 0 || q->stopping)
-        return;
+    uint32_t k = 0;
+    while (k < q->nroots && q->roots[k].standby.n == 0)
+        k++;
+    if (k == q->nroots || q->stopping)
+        return;  /* nothing stands by */
     if (q->threads == 0) {
         q->threads++;
         sp->roots++;
@@ -606,8 +608,7 @@ size_t kvp_queue_submit(struct kvp_queue *q, const struct kvp_item *items, const
             }
             if (!kvp_sched_admits(&last.on, qi->it.deadline_ns, qi->it.position, t, &qi->ahead)) {
                 if (last.on.gauge) {  /* read only into a slot the tier has free (schedule.c) */
-                    kvp_sched_stand_by(r, qi, &last.on, qi->it.position);
-                    q->standing++;
+                    kvp_sched_stand_by(r, qi, &last.on);
                     q->deadlines++;
                     continue;
                 }

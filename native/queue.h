@@ -158,7 +158,6 @@ struct kvp_queue {
     int stopping;
     uint64_t seq, submitted, reaped, timed_out, stalls, spawn_failures;
     uint64_t standby_reads;  /* files read from standby (schedule.c) */
-    uint32_t standing;       /* files on the roots' standby lists */
     uint32_t deadlines;      /* pending files with a deadline: the tick sweeps for them */
     char *scratch;
     size_t scratch_len;
@@ -195,8 +194,7 @@ int kvp_sched_admits(struct kvp_judgement *j, int64_t deadline_ns, uint32_t posi
                      int64_t now, int32_t *ahead);
 /* A file the judgement refused, kept on r's standby list: its deadline moves to when
  * its consumer, fetching the files before it itself, could have got to it. */
-void kvp_sched_stand_by(struct qroot *r, struct qitem *qi, const struct kvp_judgement *j,
-                        uint32_t position);
+void kvp_sched_stand_by(struct qroot *r, struct qitem *qi, const struct kvp_judgement *j);
 /* The oldest standby file of r still in time, off its list, when the tier has a slot
  * free now (gauge.c: fewer requests not answered than it serves at once); else NULL. */
 struct qitem *kvp_sched_standby_take(struct qroot *r, int64_t now);

@@ -254,11 +254,10 @@ int kvp_sched_admits(struct kvp_judgement *j, int64_t deadline_ns, uint32_t posi
     return 1;
 }
 
-void kvp_sched_stand_by(struct qroot *r, struct qitem *qi, const struct kvp_judgement *j,
-                        uint32_t position)
+void kvp_sched_stand_by(struct qroot *r, struct qitem *qi, const struct kvp_judgement *j)
 {
     qi->standby = 1;
-    qi->it.deadline_ns += (int64_t)(position + 1) * j->floor_ns;
+    qi->it.deadline_ns += (int64_t)(qi->it.position + 1) * j->floor_ns;
     kvp_list_push(&r->standby, qi);
 }
 
