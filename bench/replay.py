@@ -41,7 +41,7 @@ import tiersim
 from kvharness import realtier
 
 FIGURES = ("warm_hit", "warm_hit_long_delta", "fully_warm", "fully_warm_long_delta",
-           "warm_hit_new", "fully_warm_new", "warmup_completed",
+           "warm_hit_new", "fully_warm_new", "fully_warm_new_on_time", "warmup_completed",
            "warmup_p50_s", "warmup_p99_s", "warmup_on_time", "read_p50_s", "read_p99_s",
            "late_p99_s")
 
@@ -174,13 +174,14 @@ def table(runs: list[dict[str, Any]], loads: list[float],
 
 
 def text_table(results: dict[str, Any]) -> str:
-    head = ("load", "method", "hit(d>=2L)", "hit(all)", "full", "full(new)", "warm-up p50",
-            "p99", "on time", "read p50", "p99")
+    head = ("load", "method", "hit(d>=2L)", "hit(all)", "full", "full(new)", "by delta",
+            "warm-up p50", "p99", "on time", "read p50", "p99")
     lines = ["  ".join(f"{h:>11s}" for h in head)]
     for load, methods in results["table"].items():
         for method, f in methods.items():
             cells = [load, method, *(f[k] for k in (
-                "warm_hit_long_delta", "warm_hit", "fully_warm", "fully_warm_new", "warmup_p50_s",
+                "warm_hit_long_delta", "warm_hit", "fully_warm", "fully_warm_new",
+                "fully_warm_new_on_time", "warmup_p50_s",
                 "warmup_p99_s", "warmup_on_time", "read_p50_s", "read_p99_s"))]
             lines.append("  ".join(f"{cell(c):>11}" for c in cells))
     return "\n".join(lines)
@@ -190,6 +191,7 @@ def markdown(results: dict[str, Any]) -> str:
     """The docs' table: per load and method, medians over the repetitions."""
     cols = (("warm_hit_long_delta", "warm-hit, delta >= 2L"), ("warm_hit", "warm-hit, all"),
             ("fully_warm", "fully warm, all"), ("fully_warm_new", "fully warm, new files"),
+            ("fully_warm_new_on_time", "and warmed by delta"),
             ("warmup_p50_s", "warm-up p50 s"), ("warmup_p99_s", "p99 s"),
             ("warmup_completed", "completed"), ("warmup_on_time", "within delta"),
             ("read_p50_s", "read p50 s"), ("read_p99_s", "read p99 s"))
@@ -199,6 +201,26 @@ def markdown(results: dict[str, Any]) -> str:
         for method, f in methods.items():
             lines.append(f"| {float(load):.0%} | {method} | "
                          + " | ".join(cell(f[k]) for k, _ in cols) + " |")
+    return "\n".join(lines)
+
+
+def bins_table(results: dict[str, Any]) -> str:
+    """Requests bringing new files, fully warm / all, per 2 s of the stream (summed over the
+    repetitions): where in the stream each method's fully warm requests are."""
+    lines = [f"fully warm (new files) / requests, per {replay_run.BIN_S:g} s of arrival, "
+             "all repetitions"]
+    for load in results["table"]:
+        for method in results["table"][load]:
+            total: list[list[int]] = []
+            for one in results["runs"]:
+                if str(one["load"]) != load or one["method"] != method:
+                    continue
+                for index, (full, count) in enumerate(one["summary"]["fully_warm_new_by_bin"]):
+                    total.extend([0, 0] for _ in range(index + 1 - len(total)))
+                    total[index][0] += full
+                    total[index][1] += count
+            if total and method != "none":
+                lines.append(f"{load:>5} {method:>9s}  " + " ".join(f"{a}/{b}" for a, b in total))
     return "\n".join(lines)
 
 
@@ -256,10 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         required = tiersim.fuse_required() if args.tier == "tiersim" else realtier.required()
         return 1 if required else 0
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "table.md").write_text(markdown(results) + "\n")
+    (args.out / "table.md").write_text(markdown(results) + "\n\n" + bins_table(results) + "\n")
     if args.plot is not None:
         plot(results, args.plot)
     print(text_table(results))
+    print("\n" + bins_table(results))
     print(f"\nresults: {args.out / 'results.json'}")
     return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import replay
+import replay_run
 import replay_stream
 from replay_stream import StreamSpec, stream
 
@@ -111,6 +112,22 @@ def test_where_an_open_costs_the_tier_the_load_counts_it(big: replay_stream.Stre
     assert [r.files for r in free.requests] == [r.files for r in big.requests]
 
 
+def test_fully_warm_new_requests_are_counted_per_bin_of_arrival() -> None:
+    head = 100
+    rows = {"arrival_s": [0.1, 0.5, 1.9, 2.0, 4.2, 6.7], "new": [1, 1, 0, 1, 1, 1],
+            "warm_bytes": [100, 40, 100, 100, 0, 100], "delta_s": [0.2] * 6,
+            "read_s": [0.1] * 6, "late_s": [0.0] * 6, "warmup_s": [0.1] * 5 + [0.3],
+            "warmup_ok": [True] * 6}
+    summary = replay_run.summarize({"method": "daemon", "requests": rows}, head, 0.05)
+    # the third request brings no new file; the fifth found nothing warm
+    assert summary["fully_warm_new_by_bin"] == [[1, 2], [1, 1], [0, 1], [1, 1]]
+    # the last was found warm, but its warm-up ended after its consumer started
+    assert summary["fully_warm_new"] == 0.6 and summary["fully_warm_new_on_time"] == 0.4
+    old = {k: v for k, v in rows.items() if k != "arrival_s"}  # recorded before arrivals were
+    assert replay_run.summarize({"method": "daemon", "requests": old}, head,
+                                0.05)["fully_warm_new_by_bin"] == []
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
 def test_a_small_replay_through_the_daemon_and_tiersim(tmp_path: Path) -> None:
     require_fuse()
@@ -136,6 +153,10 @@ def test_a_small_replay_through_the_daemon_and_tiersim(tmp_path: Path) -> None:
         assert run["tier"]["fetches"] == new_files and run["tier"]["read_errors"] == 0
         summary = run["summary"]
         assert 0 <= summary["warm_hit"] <= 1 and 0 <= summary["fully_warm"] <= 1
+        bins = summary["fully_warm_new_by_bin"]
+        assert sum(count for _, count in bins) == summary["new_requests"]
+        assert sum(full for full, _ in bins) == round(
+            summary["fully_warm_new"] * summary["new_requests"])
         if run["method"] == "none":
             assert summary["warmup_p50_s"] is None
         else:
