@@ -186,6 +186,16 @@ def run(args: argparse.Namespace,
     }
 
 
+def tell_pids(name: str, supervisor: int, echo: int) -> None:
+    """For ack_trace.py: who is who in a scheduler trace of this run (the client is this
+    process's main thread), appended to $KVBENCH_ACK_PIDS as one JSON line per path set."""
+    path = os.environ.get("KVBENCH_ACK_PIDS")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps({"set": name, "client": os.getpid(),
+                                  "supervisor": supervisor, "echo": echo}) + "\n")
+
+
 def run_set(args: argparse.Namespace, name: str, sizes: Sequence[int], counts: Sequence[int],
             clients: Sequence[str], root: Path, workdir: Path, echo_sock: str, echo_pid: int,
             on_step: Callable[[str, int], None] | None) -> dict[str, Any]:
@@ -201,6 +211,7 @@ def run_set(args: argparse.Namespace, name: str, sizes: Sequence[int], counts: S
     daemon = start_engine_daemon(args.engine, root, 1 << 20, backlog, args.workers, workdir,
                                  args.out, dedup=not resident, name=f"ack-{name}")
     apply_worker_sched(daemon, args.worker_sched)
+    tell_pids(name, daemon.daemon.process.pid, echo_pid)
     targets = {"daemon": daemon.socket, "echo": echo_sock}
     modes = [m for m in args.modes.split(",") if m]
     results: dict[str, Any] = {mode: {} for mode in modes}
