@@ -241,7 +241,7 @@ def summarize(run: dict[str, Any], request_bytes: int, latency_s: float) -> dict
     warms = run["method"] != "none"
     # fully warm, and the warm-up done by the consumer's start: on s3fs each of its opens is
     # a HEAD queued behind the tier's backlog, so a consumer can find a file warm that was
-    # fetched seconds after it was due (docs/bench/replay.md, "What the 150% count is")
+    # fetched seconds after it was due (docs/bench/replay.md, "What the 150% count is made of")
     on_time_new = [r for r in new if r["warm_bytes"] >= request_bytes
                    and r["warmup_s"] is not None and r["warmup_s"] <= r["delta_s"]]
     warmups = sorted(r["warmup_s"] for r in rows if r["warmup_s"] is not None)
