@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,13 +80,13 @@ class Trace:
         self.events = events
         self.times = [e.time for e in events]
 
-    def next(self, after: float, kind: str, tid: int | dict[int, str] | None = None,
+    def next(self, after: float, kind: str, by: Container[int] | None = None,
              woken: int | None = None) -> Event | None:
-        """The first event of `kind` at or after `after`: by `tid` (or any of several), or
+        """The first event of `kind` at or after `after`: by one of the tids `by`, or
         switching to or waking `woken`."""
         for index in range(bisect_left(self.times, after), len(self.events)):
             event = self.events[index]
-            if event.kind != kind or (tid is not None and event.tid not in tids(tid)):
+            if event.kind != kind or (by is not None and event.tid not in by):
                 continue
             if woken is not None and woken_tid(event) != woken:
                 continue
@@ -100,10 +100,6 @@ class Trace:
             if event.kind == "switch" and woken_tid(event) == tid and event.time <= before:
                 return event
         return None
-
-
-def tids(tid: int | dict[int, str]) -> set[int] | dict[int, str]:
-    return {tid} if isinstance(tid, int) else tid
 
 
 def woken_tid(event: Event) -> int | None:
@@ -125,20 +121,20 @@ def requests(trace: Trace, client: int, servers: dict[int, str],
         length = LENGTH.search(sent.trace)
         if length is None or int(length.group(1), 16) < min_bytes:
             continue
-        got = trace.next(sent.time, "received", tid=servers)
+        got = trace.next(sent.time, "received", by=servers)
         if got is None:
             continue
         server = got.tid
         began = trace.last_switch_to(server, sent.time, got.time)
         running = began.time if began is not None else sent.time  # it was already running
-        reply = trace.next(got.time, "send", tid=server)
+        reply = trace.next(got.time, "send", by={server})
         if reply is None:
             continue
         woke = trace.next(reply.time, "wakeup", woken=client)
         ran = trace.next(reply.time, "switch", woken=client)
         if ran is None:
             continue
-        read = trace.next(ran.time, "received", tid=client)
+        read = trace.next(ran.time, "received", by={client})
         if read is None:
             continue
         target = WAKEUP.search(woke.trace) if woke is not None else None
