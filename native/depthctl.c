@@ -37,9 +37,10 @@
  * a rank among recent reads: in a burst on a tier of two fetch slots the third
  * fastest read had queued behind the first two.  Where the window's mean read
  * took more than QUEUED times that, reads were queueing inside the file
- * system, where no request can overtake another: the depth comes down to the most the tier has served at once
- * lately, plus headroom, and the backlog waits here instead, where the most
- * urgent file goes first (schedule.c).  Jitter alone keeps the mean well under QUEUED times the floor.
+ * system, where no request can overtake another: the depth comes down to the
+ * most the tier has served at once lately, plus headroom, and the backlog waits
+ * here instead, where the most urgent file goes first (schedule.c).  Jitter
+ * alone keeps the mean well under QUEUED times the floor.
  * Where the queue in the tier is other readers' (the consumers fetching what was
  * not warmed), the root keeps what the tier served it at best, and no more: a
  * consumer's read is the one a GPU waits on now.

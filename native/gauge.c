@@ -32,8 +32,10 @@
  * Only FUSE keeps such a count; elsewhere (NFS, Lustre, a local disk) admission
  * goes on with the reads' own times (schedule.c).  Everything here runs under the
  * queue's mutex but the count read before a read: an open, a read and a close of a
- * fusectl file (it cannot seek), once per request judged and once per cold file read
- * (next to a fetch, nothing).
+ * fusectl file (it cannot seek), once per request judged, once per cold file read
+ * (next to a fetch, nothing) and, under the mutex too, once per look at a root's
+ * standby list (schedule.c: at most one a STANDBY_LOOK_NS while every slot is busy,
+ * else one per file it takes).
  */
 #include "queue.h"
 
